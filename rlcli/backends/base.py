@@ -1,0 +1,98 @@
+"""The inference-backend contract every engine implements (embedded, vLLM, SGLang, LMDeploy, ...).
+
+A backend is built once per run from ``(config, ctx)`` and then used from one asyncio event loop:
+
+* ``await generate(request)`` for many concurrent requests. Each response token comes with its
+  logprob under the *sampling temperature applied to the raw logits* (no top-k/top-p
+  renormalisation), so it matches the trainer's recomputed logprob, and with the policy version
+  of the weights that produced it.
+* ``pause()`` aborts every in-flight request: each returns promptly with ``finish_reason
+  "abort"`` and the tokens generated so far; requests made while paused return "abort" at once
+  with no tokens. ``resume()`` accepts requests again. A caller continues a partial response by
+  sending ``prompt + partial tokens`` with the remaining budget.
+* ``update_weights(named_tensors, version)`` loads Hugging Face-named tensors (any subset, in
+  any number of calls); ``version`` becomes the policy version of tokens generated afterwards.
+  It is called while no generation step runs (between steps or while paused).
+* ``sleep()`` / ``wake_up()`` release and restore device memory (KV cache; weights too at
+  ``level=2``) so a colocated trainer can use it. ``shutdown()`` frees everything.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from rlcli.component import Component
+from rlcli.types import SampleParams
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    params: SampleParams
+    request_id: Any = None
+
+
+@dataclass
+class GenerateOutput:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # policy version per token
+    finish_reason: str = "stop"  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass
+class BackendContext:
+    """What the runner tells a backend about the model and the machine."""
+
+    model_dir: str  # Hugging Face directory: config.json, weights, tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: list[int]
+    pad_token_id: int | None = None
+    seed: int = 0
+    version: int = 0  # policy version of the weights in model_dir
+    rank: int = 0
+    world_size: int = 1
+
+
+class InferenceBackend(Component, abc.ABC):
+    """Base class of inference backends (see module docstring for the contract)."""
+
+    def __init__(self, config, ctx: BackendContext):
+        super().__init__(config)
+        self.ctx = ctx
+
+    @property
+    @abc.abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights currently loaded."""
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerateRequest) -> GenerateOutput: ...
+
+    @abc.abstractmethod
+    def pause(self) -> None: ...
+
+    @abc.abstractmethod
+    def resume(self) -> None: ...
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None: ...
+
+    def sleep(self, level: int = 1) -> None:  # noqa: B027 - optional
+        """Release device memory (level 1: KV cache; level 2: weights too)."""
+
+    def wake_up(self) -> None:  # noqa: B027 - optional
+        """Restore what :meth:`sleep` released."""
+
+    def shutdown(self) -> None:  # noqa: B027 - optional
+        """Free all resources; the backend is unusable afterwards."""
+
+    def stats(self) -> dict[str, float]:
+        """Counters since the last call (e.g. generated tokens, busy seconds); reset on read."""
+        return {}

@@ -1,0 +1,534 @@
+"""The recipe: a YAML file validated by the pydantic models below.
+
+Sections: ``model``, ``trainer``, ``resources``, ``rollout``, ``train_worker``, ``advantage``,
+``replay_buffer``, ``tasks``, ``eval``. Every *component* section is ``{name: <registered
+name>, ...its own config}``; the name is looked up in the plugin registry and the rest is
+validated by that component's own ``Config``. :func:`load_recipe` is the single code path used
+by ``train``, ``eval`` and ``validate``: it loads, applies overrides, validates and resolves, and
+reports *every* problem at once, each with its dotted path. Nothing here loads a model.
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+
+from rlcli.overrides import OverrideError, apply_overrides
+from rlcli.plugins import PluginError, Registry, get_registry
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass(frozen=True)
+class Kind:
+    """Annotation marking a field as a component section of the given plugin kind."""
+
+    kind: str
+
+
+class ComponentSpec(BaseModel):
+    """``{name: ..., **options}``: a registered component and its options."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str
+    _cls: type | None = PrivateAttr(None)
+    _cfg: BaseModel | None = PrivateAttr(None)
+
+    @property
+    def cls(self) -> type:
+        if self._cls is None:
+            raise RuntimeError(f"component {self.name!r} was not resolved (use rlcli.config.load_recipe)")
+        return self._cls
+
+    @property
+    def cfg(self) -> Any:
+        if self._cfg is None:
+            raise RuntimeError(f"component {self.name!r} was not resolved (use rlcli.config.load_recipe)")
+        return self._cfg
+
+    def build(self, **runtime: Any) -> Any:
+        """Instantiate the component: ``cls(cfg, **runtime)``."""
+        return self.cls(self.cfg, **runtime)
+
+
+def _spec(kind: str, default: dict | None = None, **kw: Any) -> Any:
+    if default is None:
+        return Annotated[ComponentSpec, Kind(kind)]
+    return Annotated[ComponentSpec, Kind(kind), Field(default_factory=lambda: ComponentSpec(**default), **kw)]
+
+
+# ----------------------------------------------------------------------------------- model
+class FromScratch(Strict):
+    """A randomly initialised decoder for toy and test runs (no download)."""
+
+    arch: Literal["qwen2", "llama", "qwen3"] = "qwen2"
+    hidden_size: int = Field(64, gt=0)
+    num_hidden_layers: int = Field(2, gt=0)
+    num_attention_heads: int = Field(4, gt=0)
+    num_key_value_heads: int = Field(2, gt=0)
+    intermediate_size: int = Field(128, gt=0)
+    max_position_embeddings: int = Field(512, gt=0)
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(None, description="A local Hugging Face model directory.")
+    from_scratch: FromScratch | None = Field(None, description="Random-init architecture instead of `path`.")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory, or 'builtin:<name>'; defaults to `path`."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on GPU, float32 on CPU."
+    )
+
+
+# --------------------------------------------------------------------------------- trainer
+class TrainerConfig(Strict):
+    mode: Literal["colocate", "disaggregated"] = "colocate"
+    total_train_steps: int | None = None
+    total_epochs: int | None = None
+    train_batch_size: int = Field(..., description="Prompt groups consumed per training step.")
+    sync_weights_interval: int = 1
+    seed: int = 42
+    enable_evaluate: bool = True
+    enable_initial_evaluate: bool = False
+    evaluate_step: int | None = 1
+    checkpoint_interval: int | None = -1
+    checkpoint_maxkeep: int | None = -1
+    checkpoint_no_save_optimizer: bool = False
+    hf_interval: int | None = -1
+    hf_maxkeep: int | None = -1
+    auto_resume: bool = False
+    exp_tracker: list[Annotated[ComponentSpec, Kind("tracker")]] = Field(
+        default_factory=lambda: [ComponentSpec(name="tensorboard"), ComponentSpec(name="jsonl")],
+        description="Trackers; 'jsonl' (metrics.jsonl) is always added.",
+    )
+    work_dir: str | None = Field(None, description="Defaults to work_dirs/<recipe file stem>.")
+    log_samples_per_step: int = Field(2, ge=0, description="Rollout texts logged to TensorBoard per step.")
+    log_every: int = Field(1, gt=0, description="Console summary every N steps.")
+
+
+class ResourcesConfig(Strict):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    num_threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU.")
+
+
+# ---------------------------------------------------------------------------- train worker
+class OptimizerConfig(Strict):
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+
+
+class LRSchedulerConfig(Strict):
+    name: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+
+
+class FSDPConfig(Strict):
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    torch_compile: bool = False
+
+
+class TrainWorkerConfig(Strict):
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = Field(default_factory=LRSchedulerConfig)
+    loss: _spec("policy_loss", {"name": "vanilla"})  # type: ignore[valid-type]
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    optimizer_steps: int = Field(1, gt=0, description="Optimizer steps per rollout batch.")
+    pack_max_length: int = Field(8192, gt=0, description="Max tokens per packed micro-batch.")
+    max_grad_norm: float | None = Field(1.0, description="None disables clipping.")
+    gradient_checkpointing: bool = False
+    logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk for logprob/entropy.")
+
+
+# ----------------------------------------------------------------------------------- tasks
+class TaskConfig(Strict):
+    task_name: str
+    weight: float = Field(1.0, ge=0)
+    sampler: _spec("sampler")  # type: ignore[valid-type]
+    agent_loop: _spec("agent_loop", {"name": "single_turn"})  # type: ignore[valid-type]
+    judger: _spec("judger")  # type: ignore[valid-type]
+    produce_strategy: _spec("produce_strategy", {"name": "sync"})  # type: ignore[valid-type]
+    group_filters: list[Annotated[ComponentSpec, Kind("group_filter")]] = Field(default_factory=list)
+
+
+class EvaluatorConfig(Strict):
+    sample_num: int = Field(0, ge=0, description="Prompts per evaluation; 0 = use sample_ratio or all.")
+    sample_ratio: float = Field(0.0, ge=0, le=1)
+    metrics: list[Annotated[ComponentSpec, Kind("evaluator_metric")]] = Field(
+        default_factory=lambda: [ComponentSpec(name="accuracy")]
+    )
+
+
+class EvalConfig(Strict):
+    tasks: list[TaskConfig] = Field(default_factory=list)
+    evaluator: EvaluatorConfig = Field(default_factory=EvaluatorConfig)
+
+
+class Recipe(Strict):
+    description: str = ""
+    model: ModelConfig
+    trainer: TrainerConfig
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig)
+    rollout: _spec("inference_backend", {"name": "embedded"})  # type: ignore[valid-type]
+    train_worker: TrainWorkerConfig = Field(default_factory=TrainWorkerConfig)
+    advantage: _spec("advantage_estimator", {"name": "grpo"})  # type: ignore[valid-type]
+    replay_buffer: _spec("replay_buffer", {"name": "sync"})  # type: ignore[valid-type]
+    tasks: list[TaskConfig]
+    eval: EvalConfig | None = None
+
+    # set by load_recipe
+    _source: Path | None = PrivateAttr(None)
+
+    def components(self) -> list[tuple[str, str, ComponentSpec]]:
+        """Every component section as (dotted path, kind, spec)."""
+        out: list[tuple[str, str, ComponentSpec]] = []
+        _collect_specs(self, (), out)
+        return out
+
+
+# ------------------------------------------------------------------------------ validation
+@dataclass(frozen=True)
+class Issue:
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.path or '<recipe>'}: {self.message}"
+
+
+class RecipeError(Exception):
+    """Raised with every problem of a recipe; ``issues`` lists them with dotted paths."""
+
+    def __init__(self, issues: list[Issue], source: str | None = None):
+        self.issues = issues
+        self.source = source
+        head = f"{source}: " if source else ""
+        lines = "\n".join(f"  - {i}" for i in issues)
+        super().__init__(f"{head}{len(issues)} problem(s) in recipe:\n{lines}")
+
+
+def _dotted(loc: tuple) -> str:
+    return ".".join(str(p) for p in loc)
+
+
+def _unwrap(ann: Any) -> tuple[Any, bool]:
+    """Return (inner annotation, is_list) for X, X | None, list[X], Annotated[...]."""
+    origin = typing.get_origin(ann)
+    if origin is Annotated:
+        return _unwrap(typing.get_args(ann)[0])
+    if origin in (list, tuple) and typing.get_args(ann):
+        inner, _ = _unwrap(typing.get_args(ann)[0])
+        return inner, True
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return _unwrap(args[0])
+    return ann, False
+
+
+def _kind_of(finfo: Any) -> str | None:
+    for meta in finfo.metadata:
+        if isinstance(meta, Kind):
+            return meta.kind
+    ann = finfo.annotation
+    if typing.get_origin(ann) in (list,):
+        (inner,) = typing.get_args(ann)
+        if typing.get_origin(inner) is Annotated:
+            for meta in typing.get_args(inner)[1:]:
+                if isinstance(meta, Kind):
+                    return meta.kind
+    return None
+
+
+def _model_class_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """The model class that owns the last element of ``loc`` (for did-you-mean hints)."""
+    cls: Any = model_cls
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(cls, type) and issubclass(cls, BaseModel)) or part not in cls.model_fields:
+            return None
+        inner, _ = _unwrap(cls.model_fields[part].annotation)
+        cls = inner
+    return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
+
+
+def _walk_raw(model_cls: type[BaseModel], raw: Any, path: tuple, out: list) -> None:
+    """Find component sections in raw (unvalidated) data by following the schema."""
+    if not isinstance(raw, dict):
+        return
+    for fname, finfo in model_cls.model_fields.items():
+        if fname not in raw or raw[fname] is None:
+            continue
+        val = raw[fname]
+        kind = _kind_of(finfo)
+        inner, is_list = _unwrap(finfo.annotation)
+        if kind is not None:
+            if is_list:
+                for i, v in enumerate(val if isinstance(val, list) else []):
+                    out.append((path + (fname, i), kind, v))
+            else:
+                out.append((path + (fname,), kind, val))
+        elif isinstance(inner, type) and issubclass(inner, BaseModel):
+            if is_list:
+                for i, v in enumerate(val if isinstance(val, list) else []):
+                    _walk_raw(inner, v, path + (fname, i), out)
+            else:
+                _walk_raw(inner, val, path + (fname,), out)
+
+
+def _collect_specs(obj: Any, path: tuple, out: list) -> None:
+    if isinstance(obj, ComponentSpec):
+        return
+    if isinstance(obj, BaseModel):
+        for fname, finfo in type(obj).model_fields.items():
+            val = getattr(obj, fname)
+            kind = _kind_of(finfo)
+            if kind is not None:
+                if isinstance(val, list):
+                    for i, v in enumerate(val):
+                        out.append((_dotted(path + (fname, i)), kind, v))
+                elif val is not None:
+                    out.append((_dotted(path + (fname,)), kind, val))
+            else:
+                _collect_specs(val, path + (fname,), out)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _collect_specs(v, path + (i,), out)
+
+
+def _resolve_component(registry: Registry, path: tuple, kind: str, raw: Any, issues: list[Issue]):
+    where = _dotted(path)
+    if isinstance(raw, ComponentSpec):
+        raw = {"name": raw.name, **(raw.model_extra or {})}
+    if not isinstance(raw, dict):
+        issues.append(Issue(where, f"expected a mapping with a 'name' key naming a {kind}, got {raw!r}"))
+        return None
+    name = raw.get("name")
+    if not isinstance(name, str):
+        issues.append(Issue(f"{where}.name", f"required: the name of a registered {kind}; "
+                            f"available: {', '.join(registry.names(kind)) or '(none)'}"))
+        return None
+    try:
+        cls = registry.get(kind, name)
+    except PluginError as exc:
+        issues.append(Issue(f"{where}.name", str(exc)))
+        return None
+    options = {k: v for k, v in raw.items() if k != "name"}
+    try:
+        cfg = cls.Config.model_validate(options)
+    except ValidationError as exc:
+        for err in exc.errors():
+            issues.append(_issue_from_pydantic(cls.Config, err, path, extra=f" (options of {kind} {name!r})"))
+        return None
+    check = getattr(cls, "check_config", None)
+    if check is not None:
+        for field_name, msg in check(cfg) or []:
+            issues.append(Issue(f"{where}.{field_name}" if field_name else where, msg))
+    return cls, cfg
+
+
+def _issue_from_pydantic(model_cls: type[BaseModel], err: dict, prefix: tuple = (), extra: str = "") -> Issue:
+    loc = tuple(err["loc"])
+    path = _dotted(prefix + loc)
+    if err["type"] == "extra_forbidden":
+        owner = _model_class_at(model_cls, loc)
+        msg = "unknown key"
+        if owner is not None:
+            fields = list(owner.model_fields)
+            close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+            msg += f" (did you mean {close[0]!r}?)" if close else f"; allowed: {', '.join(fields)}"
+        return Issue(path, msg + extra)
+    if err["type"] == "missing":
+        return Issue(path, "required field is missing" + extra)
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    return Issue(path, msg + extra)
+
+
+def _positive_or_disabled(tr: dict, key: str, issues: list[Issue]) -> int | None:
+    v = tr.get(key)
+    if v is None or v == -1:
+        return None
+    if not isinstance(v, int) or v <= 0:
+        issues.append(Issue(f"trainer.{key}", f"must be positive or -1/null to disable it, got {v!r}"))
+        return None
+    return v
+
+
+def _check_rules(raw: dict, issues: list[Issue]) -> None:
+    """The seed's cross-field rules, each message naming both fields."""
+    tr = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
+    steps, epochs = tr.get("total_train_steps"), tr.get("total_epochs")
+    if steps is None and epochs is None:
+        issues.append(Issue("trainer.total_train_steps", "either trainer.total_train_steps or trainer.total_epochs must be set"))
+    for key, v in (("total_train_steps", steps), ("total_epochs", epochs)):
+        if isinstance(v, int) and v <= 0:
+            issues.append(Issue(f"trainer.{key}", f"must be positive, got {v}"))
+    bs = tr.get("train_batch_size")
+    if isinstance(bs, int) and bs <= 0:
+        issues.append(Issue("trainer.train_batch_size", f"must be positive, got {bs}"))
+    interval = tr.get("sync_weights_interval", 1)
+    if isinstance(interval, int) and interval <= 0:
+        issues.append(Issue("trainer.sync_weights_interval", f"must be positive, got {interval}"))
+        interval = None
+    if not isinstance(interval, int):
+        interval = None
+    for key, why in (("checkpoint_interval", "checkpoints are only saved on weight-sync steps"),
+                     ("hf_interval", "HF exports are only saved on weight-sync steps")):
+        v = _positive_or_disabled(tr, key, issues)
+        if v is not None and interval and v % interval:
+            issues.append(Issue(f"trainer.{key}", f"trainer.{key}={v} must be a multiple of "
+                                f"trainer.sync_weights_interval={interval}, because {why}"))
+    enable_eval = tr.get("enable_evaluate", True)
+    if enable_eval is True:
+        es = tr.get("evaluate_step", 1)
+        if es is None or (isinstance(es, int) and es <= 0):
+            issues.append(Issue("trainer.evaluate_step", f"must be positive when trainer.enable_evaluate is true, got {es!r}"))
+        elif isinstance(es, int) and interval and es % interval:
+            issues.append(Issue("trainer.evaluate_step", f"trainer.evaluate_step={es} must be a multiple of "
+                                f"trainer.sync_weights_interval={interval}, because evaluation only runs on weight-sync steps"))
+        ev = raw.get("eval")
+        if not isinstance(ev, dict) or not ev.get("tasks"):
+            issues.append(Issue("eval.tasks", "trainer.enable_evaluate is true but the recipe has no eval.tasks "
+                                "(add eval tasks or set trainer.enable_evaluate=false)"))
+    tasks = raw.get("tasks")
+    if isinstance(tasks, list):
+        if not tasks:
+            issues.append(Issue("tasks", "at least one task is required"))
+        _check_tasks(tasks, "tasks", issues)
+        weights = [t.get("weight", 1.0) for t in tasks if isinstance(t, dict)]
+        if weights and all(isinstance(w, (int, float)) for w in weights) and sum(weights) <= 0:
+            issues.append(Issue("tasks", "at least one task weight must be positive (all weights are 0)"))
+    ev = raw.get("eval")
+    if isinstance(ev, dict) and isinstance(ev.get("tasks"), list):
+        _check_tasks(ev["tasks"], "eval.tasks", issues)
+        for i, t in enumerate(ev["tasks"]):
+            ps = t.get("produce_strategy") if isinstance(t, dict) else None
+            if isinstance(ps, dict) and ps.get("name") not in (None, "sync"):
+                issues.append(Issue(f"eval.tasks.{i}.produce_strategy.name",
+                                    f"evaluation tasks use the 'sync' produce strategy, got {ps.get('name')!r}"))
+    m = raw.get("model")
+    if isinstance(m, dict):
+        if (m.get("path") is None) == (m.get("from_scratch") is None):
+            issues.append(Issue("model", "set exactly one of model.path and model.from_scratch"))
+        if m.get("from_scratch") is not None and not m.get("tokenizer"):
+            issues.append(Issue("model.tokenizer", "required with model.from_scratch (e.g. 'builtin:arith')"))
+
+
+def _check_tasks(tasks: list, where: str, issues: list[Issue]) -> None:
+    seen: dict[str, int] = {}
+    for i, t in enumerate(tasks):
+        if not isinstance(t, dict):
+            continue
+        name = t.get("task_name")
+        if isinstance(name, str):
+            if name in seen:
+                issues.append(Issue(f"{where}.{i}.task_name",
+                                    f"duplicate task_name {name!r} (also {where}.{seen[name]}.task_name)"))
+            seen[name] = i
+
+
+def validate_recipe(raw: Any, registry: Registry | None = None, source: str | None = None) -> Recipe:
+    """Validate and resolve raw recipe data; raise :class:`RecipeError` listing every problem."""
+    registry = registry or get_registry()
+    if not isinstance(raw, dict):
+        raise RecipeError([Issue("", f"a recipe must be a YAML mapping, got {type(raw).__name__}")], source)
+    issues: list[Issue] = []
+    recipe: Recipe | None = None
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        for err in exc.errors():
+            issues.append(_issue_from_pydantic(Recipe, err))
+    _check_rules(raw, issues)
+
+    found: list = []
+    if recipe is not None:
+        for path, kind, spec in recipe.components():
+            found.append((tuple(int(p) if p.isdigit() else p for p in path.split(".")), kind, spec))
+    else:
+        _walk_raw(Recipe, raw, (), found)
+    for path, kind, spec in found:
+        resolved = _resolve_component(registry, path, kind, spec, issues)
+        if resolved is not None and isinstance(spec, ComponentSpec):
+            spec._cls, spec._cfg = resolved
+
+    if recipe is not None:
+        for check in _recipe_checks(registry):
+            for path, msg in check(recipe) or []:
+                issues.append(Issue(path, msg))
+    # de-duplicate while keeping order
+    uniq = list(dict.fromkeys(issues))
+    if uniq:
+        raise RecipeError(uniq, source)
+    assert recipe is not None
+    return recipe
+
+
+def _recipe_checks(registry: Registry) -> list:
+    """Whole-recipe checks a component class declares with ``check_recipe(recipe) -> [(path, msg)]``."""
+    checks = []
+    seen = set()
+    for table in registry.entries.values():
+        for entry in table.values():
+            fn = getattr(entry.cls, "check_recipe", None)
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                checks.append(fn)
+    return checks
+
+
+def read_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    if not p.exists():
+        raise RecipeError([Issue("", f"recipe file not found: {p}")], str(p))
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise RecipeError([Issue("", f"invalid YAML: {where}{getattr(exc, 'problem', exc)}")], str(p)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), registry: Registry | None = None) -> Recipe:
+    """Load a recipe file, apply ``key=value`` / ``~key`` overrides, validate and resolve it."""
+    raw = read_yaml(path)
+    try:
+        raw = apply_overrides(raw, list(overrides))
+    except OverrideError as exc:
+        raise RecipeError([Issue(exc.path, exc.message)], str(path)) from None
+    recipe = validate_recipe(raw, registry, source=str(path))
+    recipe._source = Path(path)
+    return recipe
+
+
+def resolved_dict(recipe: Recipe) -> dict:
+    """The recipe with every default and every component option filled in (for resolved.yaml)."""
+    data = recipe.model_dump(mode="json")
+    for path, _kind, spec in recipe.components():
+        cur: Any = data
+        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parts[:-1]:
+            cur = cur[p]
+        cur[parts[-1]] = {"name": spec.name, **spec.cfg.model_dump(mode="json")}
+    return data

@@ -1,0 +1,33 @@
+"""The judger contract.
+
+A judger scores one COMPLETED response: ``judge(response, label, sample) -> float | dict``.
+A float is wrapped as ``{"score": x}``; a dict must contain ``"score"``. Judgers must be
+picklable when ``executor: process`` is used (CPU-heavy judgers such as sympy-based ones);
+the runner calls them in a worker pool with a per-call timeout, so an exception or a hang
+marks only that sample FAILED, never the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from rlcli.component import Component, ComponentConfig
+from rlcli.types import Sample
+
+
+class JudgerConfig(ComponentConfig):
+    timeout_s: float = Field(30.0, gt=0, description="Per-call timeout; a timed-out sample is FAILED.")
+    executor: Literal["inline", "thread", "process"] = Field(
+        "thread", description="Where judge() runs: inline (no timeout), a thread pool, or a process pool."
+    )
+
+
+class Judger(Component):
+    """Base class of judgers."""
+
+    Config: ClassVar[type[JudgerConfig]] = JudgerConfig
+
+    def judge(self, response: str, label: Any, sample: Sample) -> float | dict[str, Any]:
+        raise NotImplementedError

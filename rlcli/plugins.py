@@ -1,0 +1,183 @@
+"""Plugin manager and component registry.
+
+Third-party plugins are Python distributions with an entry point in the ``rlcli`` group; the
+built-in components live in the modules of :data:`DEFAULT_PLUGINS` and are registered through
+the very same hooks. A broken plugin (import error) is recorded and reported, never fatal to
+``rlcli --help``; a component name claimed twice is an error naming both distributions.
+
+Environment switches:
+  RLCLI_DISABLE_PLUGIN_AUTOLOAD=1  load no entry-point plugins (built-ins only)
+  RLCLI_LOAD_PLUGINS=a,b            load only these entry-point names
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.metadata as md
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+
+from rlcli import __version__, hookspecs
+
+# kind (as written in recipes and docs) -> hook name
+KINDS: dict[str, str] = {
+    "agent_loop": "register_agent_loops",
+    "judger": "register_judgers",
+    "produce_strategy": "register_produce_strategies",
+    "replay_buffer": "register_replay_buffers",
+    "inference_backend": "register_inference_backends",
+    "advantage_estimator": "register_advantage_estimators",
+    "policy_loss": "register_policy_losses",
+    "evaluator_metric": "register_evaluator_metrics",
+    "tracker": "register_trackers",
+    "sampler": "register_samplers",
+    "group_filter": "register_group_filters",
+}
+
+DEFAULT_PLUGINS: tuple[str, ...] = (
+    "rlcli.agent_loops",
+    "rlcli.judgers",
+    "rlcli.produce",
+    "rlcli.replay_buffer",
+    "rlcli.backends",
+    "rlcli.algo.advantage",
+    "rlcli.algo.loss",
+    "rlcli.evaluator",
+    "rlcli.trackers",
+    "rlcli.data.sampler",
+    "rlcli.produce.filters",
+)
+
+
+class PluginError(Exception):
+    """A plugin or component problem the user must fix (bad name, duplicate, broken import)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    kind: str
+    name: str
+    cls: type
+    dist: str
+    version: str
+    plugin: str
+
+    @property
+    def description(self) -> str:
+        doc = (self.cls.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+
+@dataclass
+class Registry:
+    entries: dict[str, dict[str, Entry]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    broken: list[tuple[str, str, str]] = field(default_factory=list)  # (dist, entry point, error)
+    dists: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(plugin) -> (dist, version)
+    pm: pluggy.PluginManager | None = None
+
+    def get(self, kind: str, name: str) -> type:
+        return self.entry(kind, name).cls
+
+    def entry(self, kind: str, name: str) -> Entry:
+        table = self.entries[kind]
+        if name in table:
+            return table[name]
+        raise PluginError(self.unknown_message(kind, name))
+
+    def unknown_message(self, kind: str, name: Any) -> str:
+        available = sorted(self.entries[kind])
+        msg = f"unknown {kind} {name!r}; available: {', '.join(available) or '(none)'}"
+        close = difflib.get_close_matches(str(name), available, n=1)
+        if close:
+            msg += f" (did you mean {close[0]!r}?)"
+        if self.broken:
+            msg += "; plugins that failed to load: " + ", ".join(f"{d} ({e})" for d, _, e in self.broken)
+        return msg
+
+    def names(self, kind: str) -> list[str]:
+        return sorted(self.entries[kind])
+
+
+
+
+def _load_entry_points(pm: pluggy.PluginManager, registry: Registry) -> None:
+    if os.environ.get("RLCLI_DISABLE_PLUGIN_AUTOLOAD"):
+        return
+    only = os.environ.get("RLCLI_LOAD_PLUGINS")
+    wanted = None if only is None else {x.strip() for x in only.split(",") if x.strip()}
+    for ep in md.entry_points(group="rlcli"):
+        if wanted is not None and ep.name not in wanted:
+            continue
+        dist_name = ep.dist.metadata["name"] if ep.dist else ep.value
+        if pm.get_plugin(ep.name) is not None or pm.is_blocked(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # a broken plugin must not break the CLI
+            registry.broken.append((dist_name, ep.name, f"{type(exc).__name__}: {exc}"))
+            continue
+        pm.register(plugin, name=ep.name)
+        registry.dists[id(plugin)] = (dist_name, ep.dist.version if ep.dist else "?")
+
+
+def build_plugin_manager() -> tuple[pluggy.PluginManager, Registry]:
+    pm = pluggy.PluginManager("rlcli")
+    pm.add_hookspecs(hookspecs)
+    registry = Registry(pm=pm)
+    _load_entry_points(pm, registry)
+    for modname in DEFAULT_PLUGINS:
+        pm.register(importlib.import_module(modname), name=modname)
+    pm.check_pending()
+    return pm, registry
+
+
+def _fill(pm: pluggy.PluginManager, registry: Registry) -> None:
+    for kind, hook_name in KINDS.items():
+        hook = getattr(pm.hook, hook_name)
+        for impl in hook.get_hookimpls():
+            dist, version = registry.dists.get(id(impl.plugin), ("rlcli", __version__))
+            try:
+                classes = impl.function() or []
+            except Exception as exc:
+                registry.broken.append((dist, impl.plugin_name, f"{hook_name} raised {type(exc).__name__}: {exc}"))
+                continue
+            for cls in classes:
+                name = getattr(cls, "name", None)
+                if not isinstance(name, str) or not name:
+                    raise PluginError(f"{dist}: {hook_name} returned {cls!r} without a string 'name' attribute")
+                if not hasattr(cls, "Config"):
+                    raise PluginError(f"{dist}: {kind} {name!r} ({cls.__qualname__}) has no 'Config' model")
+                prev = registry.entries[kind].get(name)
+                if prev is not None and prev.cls is not cls:
+                    raise PluginError(
+                        f"{kind} name {name!r} is claimed twice: by {prev.dist} ({prev.cls.__module__}) "
+                        f"and by {dist} ({cls.__module__}); uninstall one of them"
+                    )
+                registry.entries[kind][name] = Entry(kind, name, cls, dist, version, impl.plugin_name)
+
+
+_REGISTRY: Registry | None = None
+
+
+def get_registry(refresh: bool = False) -> Registry:
+    """The process-wide registry, built on first use."""
+    global _REGISTRY
+    if _REGISTRY is None or refresh:
+        pm, registry = build_plugin_manager()
+        _fill(pm, registry)
+        _REGISTRY = registry
+    return _REGISTRY
+
+
+def registry_with(*plugins: Any) -> Registry:
+    """A fresh registry with extra in-process plugin objects registered (for tests and embedding)."""
+    pm, registry = build_plugin_manager()
+    for i, plugin in enumerate(plugins):
+        pm.register(plugin, name=f"inline-{i}-{getattr(plugin, '__name__', type(plugin).__name__)}")
+        registry.dists[id(plugin)] = ("<inline>", "-")
+    _fill(pm, registry)
+    return registry

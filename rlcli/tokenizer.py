@@ -1,0 +1,91 @@
+"""Tokenizers: loading user tokenizers, and small built-in ones that need no download.
+
+``builtin:arith`` is a character-level tokenizer for arithmetic toy tasks (digits, operators,
+space, a few letters) with a chat template that concatenates message contents. It is saved
+with the model so HF exports load with ``AutoTokenizer`` (llama model type) or
+``PreTrainedTokenizerFast``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+BUILTIN_PREFIX = "builtin:"
+_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+_ARITH_CHARS = list("0123456789+-*/=()#., ?:") + list("abcdefghijklmnopqrstuvwxyz")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+)
+
+
+def _build_arith() -> PreTrainedTokenizerFast:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + _ARITH_CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+BUILTIN_TOKENIZERS = {"arith": _build_arith}
+
+
+def builtin_tokenizer(name: str) -> PreTrainedTokenizerFast:
+    try:
+        return BUILTIN_TOKENIZERS[name]()
+    except KeyError:
+        raise ValueError(
+            f"unknown built-in tokenizer {name!r}; available: {', '.join(sorted(BUILTIN_TOKENIZERS))}"
+        ) from None
+
+
+def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
+    """Load ``builtin:<name>`` or a tokenizer directory (offline; never downloads)."""
+    spec = str(spec)
+    if spec.startswith(BUILTIN_PREFIX):
+        return builtin_tokenizer(spec[len(BUILTIN_PREFIX):])
+    path = Path(spec)
+    if not path.exists():
+        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    cfg_file = path / "tokenizer_config.json"
+    if cfg_file.exists() and json.loads(cfg_file.read_text()).get("rlcli_builtin"):
+        # AutoTokenizer may rebuild the pre-tokenizer for some model types; load the file as is.
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    if tok.pad_token_id is None and tok.eos_token_id is not None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def save_tokenizer(tok: PreTrainedTokenizerBase, out_dir: str | Path, builtin: str | None = None) -> None:
+    out = Path(out_dir)
+    tok.save_pretrained(str(out))
+    if builtin:
+        cfg_file = out / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text())
+        cfg["rlcli_builtin"] = builtin
+        cfg_file.write_text(json.dumps(cfg, indent=2))
+
+
+def eos_token_ids(tok: PreTrainedTokenizerBase, model_dir: str | Path | None = None) -> list[int]:
+    """EOS ids from the tokenizer and, when present, the model's generation_config.json."""
+    ids: list[int] = []
+    if tok.eos_token_id is not None:
+        ids.append(int(tok.eos_token_id))
+    if model_dir is not None:
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            for e in eos if isinstance(eos, list) else [eos]:
+                if isinstance(e, int) and e not in ids:
+                    ids.append(e)
+    return ids
