@@ -11,6 +11,7 @@ reports *every* problem at once, each with its dotted path. Nothing here loads a
 from __future__ import annotations
 
 import difflib
+import inspect
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,6 +157,11 @@ class TrainWorkerConfig(Strict):
     max_grad_norm: float | None = Field(1.0, description="None disables clipping.")
     gradient_checkpointing: bool = False
     logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk for logprob/entropy.")
+    pack_layout: Literal["auto", "packed", "padded"] = Field(
+        "auto",
+        description="How a pack is run: one row with restarting position ids (packed), one right-padded row "
+        "per sequence (padded), or whichever costs less for the model's attention (auto).",
+    )
 
 
 # ----------------------------------------------------------------------------------- tasks
@@ -341,7 +347,8 @@ def _resolve_component(registry: Registry, path: tuple, kind: str, raw: Any, iss
         return None
     check = getattr(cls, "check_config", None)
     if check is not None:
-        for field_name, msg in check(cfg) or []:
+        takes_registry = "registry" in inspect.signature(check).parameters
+        for field_name, msg in (check(cfg, registry=registry) if takes_registry else check(cfg)) or []:
             issues.append(Issue(f"{where}.{field_name}" if field_name else where, msg))
     return cls, cfg
 
@@ -448,9 +455,19 @@ def _check_tasks(tasks: list, where: str, issues: list[Issue]) -> None:
             seen[name] = i
 
 
-def validate_recipe(raw: Any, registry: Registry | None = None, source: str | None = None) -> Recipe:
-    """Validate and resolve raw recipe data; raise :class:`RecipeError` listing every problem."""
+def validate_recipe(raw: Any, registry: Registry | None = None, source: str | None = None,
+                    base_dir: str | Path | None = None) -> Recipe:
+    """Validate and resolve raw recipe data; raise :class:`RecipeError` listing every problem.
+
+    ``base_dir`` (default: the folder of ``source``) is where relative data paths also resolve.
+    """
+    from rlcli.data.sampler import RECIPE_DIR
+
     registry = registry or get_registry()
+    if base_dir is None and source is not None:
+        base_dir = Path(source).resolve().parent
+    if base_dir is not None:
+        RECIPE_DIR.set(Path(base_dir))
     if not isinstance(raw, dict):
         raise RecipeError([Issue("", f"a recipe must be a YAML mapping, got {type(raw).__name__}")], source)
     issues: list[Issue] = []

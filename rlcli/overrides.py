@@ -7,9 +7,21 @@ list's length appends. Missing intermediate mappings are created.
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import yaml
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def parse_value(text: str) -> Any:
+    """YAML, plus exponent floats without a dot (``1e-6``), which YAML 1.1 reads as strings."""
+    value = yaml.safe_load(text) if text.strip() else None
+    if isinstance(value, str) and _FLOAT.match(value.strip()):
+        return float(value)
+    return value
 
 
 class OverrideError(Exception):
@@ -61,7 +73,7 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
         key, _, text = ov.partition("=")
         parts = _parse_path(key.strip())
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = parse_value(text)
         except yaml.YAMLError as exc:
             raise OverrideError(key, f"value {text!r} is not valid YAML: {exc}") from None
         node = data

@@ -39,18 +39,21 @@ def status_from_finish_reason(reason: str | None) -> Status:
     return _FINISH_TO_STATUS.get(reason or "", Status.FAILED)
 
 
-_GROUP_PRIORITY = (Status.FAILED, Status.ABORTED, Status.EXPIRED, Status.FILTERED)
-
-
 def group_status(samples: list["Sample"]) -> Status:
-    """All COMPLETED -> COMPLETED; else the first of FAILED > ABORTED > EXPIRED > FILTERED present."""
+    """The status of a group, from its members.
+
+    ABORTED > EXPIRED > FILTERED > INIT come first (the group is not done). Otherwise the group is
+    COMPLETED when at least one member is COMPLETED: members FAILED by a judger error or an engine
+    error are left out of training, the rest of the group still trains (XTuner drops the whole
+    group, so one flaky judger call could starve a run). All members FAILED -> FAILED.
+    """
     statuses = {s.status for s in samples}
     if statuses == {Status.COMPLETED}:
         return Status.COMPLETED
-    for st in _GROUP_PRIORITY:
+    for st in (Status.ABORTED, Status.EXPIRED, Status.FILTERED, Status.INIT):
         if st in statuses:
             return st
-    return Status.COMPLETED if Status.COMPLETED in statuses else Status.INIT
+    return Status.COMPLETED if Status.COMPLETED in statuses else Status.FAILED
 
 
 class SampleParams(BaseModel):

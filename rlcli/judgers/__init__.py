@@ -1,1 +1,24 @@
-"""Built-in components (registered through the same hooks as third-party plugins)."""
+"""Built-in judgers, registered through the same ``register_judgers`` hook as third-party plugins.
+
+* ``gsm8k``: the last ``#### <number>`` of the response against the label, as exact numbers.
+* ``exact_match``: the stripped response (or its first word) equals the label.
+* ``composed``: routes each sample by ``data_source`` to one of several judgers.
+
+The contract is in :mod:`rlcli.judgers.base`; :mod:`rlcli.judging` runs judgers with timeouts in
+a thread or process pool so that a failing judger marks one sample FAILED, never the run.
+"""
+
+from __future__ import annotations
+
+from rlcli import hookimpl
+from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.composed import ComposedJudger
+from rlcli.judgers.exact_match import ExactMatchJudger
+from rlcli.judgers.gsm8k import GSM8KJudger
+
+__all__ = ["ComposedJudger", "ExactMatchJudger", "GSM8KJudger", "Judger", "JudgerConfig", "register_judgers"]
+
+
+@hookimpl
+def register_judgers() -> list[type]:
+    return [GSM8KJudger, ExactMatchJudger, ComposedJudger]

@@ -1,0 +1,193 @@
+"""The ``rlcli`` command line.
+
+    rlcli train RECIPE [KEY=VALUE ...] [--work-dir DIR]
+    rlcli eval RECIPE [--checkpoint DIR] [KEY=VALUE ...]
+    rlcli validate RECIPE [KEY=VALUE ...]
+    rlcli plugins [--json]
+    rlcli recipes
+    rlcli data gsm8k IN OUT
+
+Overrides are dotted paths with YAML values (``trainer.seed=3``, ``tasks.0.judger.name=gsm8k``);
+``~KEY`` deletes a key. Heavy imports (torch, transformers) happen inside the commands so that
+``rlcli --help`` stays fast and works even when a plugin is broken.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from rlcli import __version__
+
+EXIT_RECIPE_ERROR = 2
+
+
+def _load(recipe: str, overrides: tuple[str, ...]):
+    from rlcli.config import RecipeError, load_recipe
+    from rlcli.plugins import PluginError
+
+    try:
+        return load_recipe(recipe, overrides)
+    except RecipeError as exc:
+        click.secho(str(exc), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
+    except PluginError as exc:
+        click.secho(f"plugin error: {exc}", fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
+
+
+def _builtin_recipes_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "recipes", here / "recipes"):
+        if cand.is_dir():
+            return cand
+    return here.parent / "recipes"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="rlcli")
+def cli() -> None:
+    """Reinforcement learning for language models (GRPO and family) from one YAML recipe."""
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@click.option("--work-dir", type=click.Path(file_okay=False), help="Where outputs go (default: trainer.work_dir).")
+@click.option("--quiet", is_flag=True, help="No progress bars or per-step lines.")
+def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: bool) -> None:
+    """Train with RECIPE, applying KEY=VALUE / ~KEY overrides.
+
+    \b
+    examples:
+      rlcli train recipes/quickstart.yaml
+      rlcli train recipes/quickstart.yaml trainer.seed=2 trainer.total_train_steps=50
+      rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
+    """
+    rec = _load(recipe, overrides)
+    if rec.trainer.mode != "colocate":
+        click.secho("trainer.mode 'disaggregated' is not available yet in this version", fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
+    from rlcli.runner.colocate import ColocateRunner
+
+    runner = ColocateRunner(rec, work_dir, quiet=quiet)
+    try:
+        final = runner.fit()
+    finally:
+        runner.close()
+    if not quiet:
+        shown = {k: round(v, 4) for k, v in final.items() if k.startswith("eval/") or k == "reward/mean"}
+        click.echo(f"done: {runner.work_dir} {json.dumps(shown)}")
+
+
+@cli.command("eval", context_settings={"ignore_unknown_options": True})
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+@click.option("--checkpoint", type=click.Path(exists=True, file_okay=False),
+              help="An HF export (hf/step-N) or a training checkpoint (checkpoints/step-N); default: the base model.")
+@click.option("--out-dir", type=click.Path(file_okay=False), help="Where eval.jsonl and eval_metrics.json go.")
+def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, out_dir: str | None) -> None:
+    """Evaluate a checkpoint (or the base model) on RECIPE's eval tasks.
+
+    \b
+    examples:
+      rlcli eval recipes/quickstart.yaml --checkpoint work_dirs/quickstart/hf/step-200
+    """
+    rec = _load(recipe, overrides)
+    if rec.eval is None or not rec.eval.tasks:
+        click.secho(f"{recipe}: the recipe has no eval.tasks to evaluate", fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
+    from rlcli.runner.evaluate import run_eval
+
+    metrics, out = run_eval(rec, checkpoint, out_dir)
+    for k, v in sorted(metrics.items()):
+        click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
+def validate(recipe: str, overrides: tuple[str, ...]) -> None:
+    """Check RECIPE (with overrides) without loading any model; list every problem (exit 2)."""
+    rec = _load(recipe, overrides)
+    comps = rec.components()
+    click.secho(f"{recipe}: OK ({len(comps)} components resolved)", fg="green")
+    for path, kind, spec in comps:
+        click.echo(f"  {path}: {kind} {spec.name}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plugins(as_json: bool) -> None:
+    """Every registered component by kind: name, providing distribution and version."""
+    from rlcli.plugins import KINDS, get_registry
+
+    reg = get_registry()
+    rows = [
+        {"kind": kind, "name": e.name, "distribution": e.dist, "version": e.version, "description": e.description}
+        for kind in KINDS for e in sorted(reg.entries[kind].values(), key=lambda e: e.name)
+    ]
+    broken = [{"distribution": d, "entry_point": ep, "error": err} for d, ep, err in reg.broken]
+    if as_json:
+        click.echo(json.dumps({"components": rows, "broken": broken}, indent=2))
+        return
+    for kind in KINDS:
+        click.secho(kind, bold=True)
+        for r in (r for r in rows if r["kind"] == kind):
+            click.echo(f"  {r['name']:<22} {r['distribution']} {r['version']:<10} {r['description']}")
+    for b in broken:
+        click.secho(f"broken plugin {b['distribution']} ({b['entry_point']}): {b['error']}", fg="red")
+
+
+@cli.command()
+def recipes() -> None:
+    """The built-in recipes, one line each."""
+    import yaml
+
+    root = _builtin_recipes_dir()
+    for p in sorted(root.glob("*.yaml")):
+        try:
+            desc = (yaml.safe_load(p.read_text()) or {}).get("description", "")
+        except yaml.YAMLError:
+            desc = "(unreadable YAML)"
+        click.echo(f"{p.name:<34} {str(desc).strip().splitlines()[0] if desc else ''}")
+
+
+@cli.group()
+def data() -> None:
+    """Dataset conversion helpers."""
+
+
+@data.command("gsm8k")
+@click.argument("in_path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_path", type=click.Path(dir_okay=False))
+def data_gsm8k(in_path: str, out_path: str) -> None:
+    """Convert raw GSM8K (question/answer with '#### n') to RL JSONL."""
+    from rlcli.data.gsm8k import convert_gsm8k
+
+    written, skipped = convert_gsm8k(in_path, out_path)
+    click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} malformed rows" if skipped else ""))
+    for msg in skipped[:10]:
+        click.secho(f"  {msg}", fg="yellow", err=True)
+
+
+@data.command("arith")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+def data_arith(out_dir: str) -> None:
+    """Write the quickstart's toy task ((a + b) mod 10) as RL JSONL into OUT_DIR."""
+    from rlcli.data.arith import write_arith
+
+    paths = write_arith(out_dir)
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

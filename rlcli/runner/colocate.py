@@ -1,0 +1,206 @@
+"""The colocated GRPO runner: rollout and training take turns on the same devices.
+
+    sampler -> agent loop -> backend -> judger -> produce strategy -> replay buffer
+        -> advantages -> GRPO loss -> optimizer step -> weight sync -> eval / checkpoint / log
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from rlcli.config import Recipe
+from rlcli.manager import RolloutManager
+from rlcli.plugins import get_registry
+from rlcli.runner.common import (
+    Environment, Evaluator, Timer, build_tasks, default_work_dir, mean, sample_row, seed_everything,
+    sequences_from_groups, setup_logging, write_jsonl, write_resolved,
+)
+
+log = logging.getLogger("rlcli")
+
+
+class ColocateRunner:
+    def __init__(self, recipe: Recipe, work_dir: str | Path | None = None, *, quiet: bool = False):
+        from rlcli.train.checkpoint import latest_checkpoint
+        from rlcli.train.worker import TrainWorker
+
+        self.recipe, self.cfg, self.quiet = recipe, recipe.trainer, quiet
+        self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
+        setup_logging(self.work_dir, quiet)
+        write_resolved(recipe, self.work_dir)
+        seed_everything(self.cfg.seed)
+        self.env = env = Environment(recipe, self.work_dir)
+        self.timer = Timer()
+        self.trackers = self._build_trackers()
+        self.total_steps = self._total_steps()
+        self.worker = TrainWorker(env.model_dir, recipe.model, recipe.train_worker,
+                                  recipe.train_worker.loss.build(), device=env.device, dtype=env.dtype,
+                                  seed=self.cfg.seed, total_steps=self.total_steps)
+        self.estimator = recipe.advantage.build()
+        self.backend = env.build_backend()
+        tasks, pools = build_tasks(env, recipe.tasks, self.backend, salt="train")
+        self.manager = RolloutManager(tasks, recipe.replay_buffer.build(), self.backend, pools)
+        self.evaluator = Evaluator(env, self.backend) if self.cfg.enable_evaluate else None
+        self.loop = asyncio.new_event_loop()
+        self.step = 0
+        ckpt = latest_checkpoint(self.work_dir / "checkpoints") if self.cfg.auto_resume else None
+        if ckpt is not None:
+            self._resume(ckpt)
+        self.sync_weights(version=self.step)  # the backend serves exactly the trainer's weights
+
+    # ----------------------------------------------------------------------------------- loop
+    def fit(self) -> dict[str, float]:
+        last: dict[str, float] = {}
+        if self.evaluator and self.cfg.enable_initial_evaluate and self.step == 0:
+            last = self.evaluate(0)
+            self.log(0, last)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", disable=self.quiet,
+                   dynamic_ncols=True)
+        while self.step < self.total_steps:
+            step, t0 = self.step + 1, time.perf_counter()
+            with self.timer("rollout"):  # sampler -> agent loop -> backend -> judger -> strategy -> buffer
+                batch = self.run(self.manager.produce_batch(self.cfg.train_batch_size, step, self.model_step(step)))
+            self.backend.sleep()  # colocated: give the KV cache back for training
+            with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
+                seqs, adv = sequences_from_groups(batch.groups, self.estimator)
+                metrics = {**batch.metrics, **self.worker.train_step(seqs), "advantage/mean": mean(adv)}
+            self.step = step
+            synced = step % self.cfg.sync_weights_interval == 0 or step == self.total_steps
+            if synced:
+                with self.timer("sync"):
+                    self.sync_weights(version=step)
+            self.backend.wake_up()
+            self.maybe_save(step, synced, batch.groups)
+            if self.evaluator and synced and (step % self.cfg.evaluate_step == 0 or step == self.total_steps):
+                metrics.update(self.evaluate(step))
+            metrics["timing/step_s"] = time.perf_counter() - t0
+            self.log(step, metrics, batch.groups)
+            last = metrics
+            bar.update(1)
+            bar.set_postfix_str(self.summary(metrics), refresh=False)
+        bar.close()
+        return last
+
+    # ------------------------------------------------------------------------------- phases
+    def model_step(self, step: int) -> int:
+        """The policy version rolling out step ``step``: the last sync at or before step - 1."""
+        return (step - 1) - ((step - 1) % self.cfg.sync_weights_interval)
+
+    def run(self, coro):
+        return self.loop.run_until_complete(coro)
+
+    def sync_weights(self, version: int) -> None:
+        nbytes = 0
+        for bucket in self.worker.iter_weights():
+            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            self.backend.update_weights(bucket, version)
+        self.sync_bytes = nbytes
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        with self.timer("eval"):
+            metrics, samples = self.run(self.evaluator.run(step))
+        write_jsonl(self.work_dir / "eval" / f"step-{step}.jsonl", [sample_row(s) for s in samples])
+        return metrics
+
+    def maybe_save(self, step: int, synced: bool, groups) -> None:
+        cfg = self.cfg
+        if synced and cfg.checkpoint_interval and cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0:
+            with self.timer("checkpoint"):
+                self.save_checkpoint(step)
+        due = cfg.hf_interval is not None and cfg.hf_interval > 0 and step % cfg.hf_interval == 0
+        if due or step == self.total_steps:
+            with self.timer("hf_export"):
+                self.worker.save_hf(self.work_dir / "hf" / f"step-{step}", self.env.tokenizer)
+                _prune(self.work_dir / "hf", cfg.hf_maxkeep)
+
+    def save_checkpoint(self, step: int) -> None:
+        from rlcli.train.checkpoint import prune
+
+        extra = {"step": step, "manager": self.manager.state_dict()}
+        self.worker.save_checkpoint(self.work_dir / "checkpoints" / f"step-{step}", extra,
+                                    no_optimizer=self.cfg.checkpoint_no_save_optimizer)
+        prune(self.work_dir / "checkpoints", self.cfg.checkpoint_maxkeep)
+
+    def _resume(self, path: Path) -> None:
+        extra = self.worker.load_checkpoint(path)
+        self.step = int(extra["step"])
+        self.manager.load_state_dict(extra["manager"])
+        for t in self.trackers:
+            t.truncate_after(self.step)
+        log.info("resumed from %s at step %d", path, self.step)
+        if not self.quiet:
+            print(f"resumed from {path} (step {self.step})")
+
+    # ------------------------------------------------------------------------------ logging
+    def _build_trackers(self):
+        reg = get_registry()
+        names = [t.name for t in self.cfg.exp_tracker]
+        specs = list(self.cfg.exp_tracker)
+        if "jsonl" not in names:
+            from rlcli.config import ComponentSpec
+
+            spec = ComponentSpec(name="jsonl")
+            spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
+            specs.append(spec)
+        return [s.build(work_dir=self.work_dir) for s in specs]
+
+    def _total_steps(self) -> int:
+        if self.cfg.total_train_steps is not None:
+            return self.cfg.total_train_steps
+        n_prompts = sum(len(tc.sampler.build(tokenizer=self.env.tokenizer, task_name=tc.task_name, seed=0))
+                        for tc in self.recipe.tasks)
+        return max(1, n_prompts // self.cfg.train_batch_size * self.cfg.total_epochs)
+
+    def log(self, step: int, metrics: dict[str, float], groups=None) -> None:
+        metrics = {**metrics, **self.timer.pop(), "time": time.time()}
+        if "timing/sync_s" in metrics:
+            metrics["sync/bytes"] = float(getattr(self, "sync_bytes", 0))
+        for t in self.trackers:
+            try:
+                t.log(step, metrics)
+                if groups:
+                    for g in groups[: self.cfg.log_samples_per_step]:
+                        s = g.samples[0]
+                        t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
+                                                    f"\n\n**reward** {s.score}")
+            except Exception as exc:  # a tracker must never stop training
+                log.warning("tracker %s failed: %s", type(t).__name__, exc)
+        if step % self.cfg.log_every == 0 and not self.quiet:
+            tqdm.write(f"step {step}/{self.total_steps} {self.summary(metrics)}")
+
+    @staticmethod
+    def summary(m: dict[str, float]) -> str:
+        parts = [f"reward {m.get('reward/mean', float('nan')):.3f}"]
+        if "eval/accuracy" in m:
+            parts.append(f"eval/acc {m['eval/accuracy']:.3f}")
+        if "train/loss" in m:
+            parts.append(f"loss {m['train/loss']:+.4f}")
+        parts.append(f"{m.get('timing/step_s', 0):.2f}s")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
+        for p in self.manager.judge_pools:
+            p.close()
+        if self.evaluator:
+            self.evaluator.close()
+        self.backend.shutdown()
+        self.loop.close()
+
+
+def _prune(root: Path, maxkeep: int | None) -> None:
+    import shutil
+
+    if not maxkeep or maxkeep < 0 or not root.exists():
+        return
+    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit()),
+                  key=lambda d: int(d.name[5:]))
+    for d in dirs[:-maxkeep]:
+        shutil.rmtree(d, ignore_errors=True)

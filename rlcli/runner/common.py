@@ -1,0 +1,245 @@
+"""Pieces every runner (and ``rlcli eval``) shares: building components from a recipe,
+evaluation, advantages -> training sequences, and the work-dir layout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from rlcli.backends.base import BackendContext, InferenceBackend
+from rlcli.config import Recipe, TaskConfig, resolved_dict
+from rlcli.data.sampler import RECIPE_DIR
+from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
+from rlcli.plugins import get_registry
+from rlcli.produce import Task
+from rlcli.replay_buffer import StalenessRule
+from rlcli.tokenizer import eos_token_ids, load_tokenizer
+from rlcli.types import Group, Sample, Status
+
+log = logging.getLogger("rlcli")
+
+
+def default_work_dir(recipe: Recipe) -> Path:
+    if recipe.trainer.work_dir:
+        return Path(recipe.trainer.work_dir)
+    stem = recipe._source.stem if recipe._source is not None else "run"
+    return Path("work_dirs") / stem
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
+    root = logging.getLogger("rlcli")
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    if not quiet:
+        sh = logging.StreamHandler()
+        sh.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        sh.setLevel(logging.WARNING)
+        root.addHandler(sh)
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(work_dir / "run.log")
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    root.propagate = False
+
+
+class Timer:
+    """Accumulates wall time per phase: ``with timer("train"): ...`` -> ``timing/train_s``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = {f"timing/{k}_s": v for k, v in self.times.items()}, {}
+        return out
+
+
+class Environment:
+    """Device, dtype, model directory and tokenizer of a run."""
+
+    def __init__(self, recipe: Recipe, work_dir: Path):
+        self.recipe, self.work_dir = recipe, work_dir
+        if recipe._source is not None:
+            RECIPE_DIR.set(recipe._source.resolve().parent)
+        self.device = resolve_device(recipe.resources.device)
+        if self.device.type == "cpu" and recipe.resources.num_threads:
+            torch.set_num_threads(recipe.resources.num_threads)
+        self.dtype = resolve_dtype(recipe.model.dtype, self.device)
+        self.seed = recipe.trainer.seed
+        self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
+        self.tokenizer = load_tokenizer(tokenizer_source(recipe.model, self.model_dir))
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model_dir)
+        if not self.eos_ids:
+            raise ValueError(f"the tokenizer of {self.model_dir} defines no EOS token")
+
+    def build_backend(self, version: int = 0) -> InferenceBackend:
+        ctx = BackendContext(
+            model_dir=str(self.model_dir), device=self.device, dtype=self.dtype, eos_token_ids=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id, seed=self.seed, version=version,
+        )
+        return self.recipe.rollout.build(ctx=ctx)
+
+
+def build_judge_pool(task_cfg: TaskConfig):
+    from rlcli.judging import JudgePool
+
+    return JudgePool(task_cfg.judger.build())
+
+
+def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, eval_mode: bool = False):
+    """Runtime :class:`Task` objects (and their judge pools) for a list of task configs."""
+    interval = env.recipe.trainer.sync_weights_interval
+    tasks, pools = [], []
+    for tc in task_cfgs:
+        pool = build_judge_pool(tc)
+        pools.append(pool)
+        sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
+        loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,
+                                   eos_token_ids=env.eos_ids, seed=env.seed, salt=f"{salt}:{tc.task_name}")
+        strategy = tc.produce_strategy.build(sync_weights_interval=interval)
+        filters = [] if eval_mode else [f.build() for f in tc.group_filters]
+        rule = strategy.staleness_rule() if not eval_mode else StalenessRule()
+        tasks.append(Task(tc.task_name, tc.weight, sampler, loop, strategy, filters, rule))
+    return tasks, pools
+
+
+def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=None, consumer_step=None):
+    """Per-group advantages -> training sequences (FAILED members are left out)."""
+    from rlcli.replay_buffer import token_keep_mask
+    from rlcli.train.data import TrainSequence
+
+    seqs: list[TrainSequence] = []
+    adv_values: list[float] = []
+    for g in groups:
+        members = [s for s in g.samples if s.status == Status.COMPLETED and s.reward is not None and s.response_ids]
+        if not members:
+            continue
+        rewards = torch.tensor([s.score for s in members], dtype=torch.float32)
+        lengths = torch.tensor([len(s.response_ids) for s in members], dtype=torch.float32)
+        adv = estimator.compute(rewards, lengths)
+        for s, a in zip(members, adv.tolist()):
+            mask = token_keep_mask(s, consumer_step, token_stale_threshold) if consumer_step is not None \
+                else (s.response_mask or [1] * len(s.response_ids))
+            seqs.append(TrainSequence(
+                prompt_ids=s.prompt_ids, response_ids=s.response_ids, response_mask=mask,
+                rollout_logprobs=s.logprobs, advantage=float(a), temperature=s.temperature, seq_id=s.uid,
+            ))
+            adv_values.append(float(a))
+    return seqs, adv_values
+
+
+def sample_row(s: Sample) -> dict[str, Any]:
+    return {
+        "task_name": s.task_name, "uid": s.uid, "group_id": s.group_id, "data_source": s.data_source,
+        "prompt": s.prompt_text, "response": s.response, "label": s.label,
+        "reward": s.reward.get("score") if s.reward else None, "reward_details": s.reward,
+        "status": s.status.value, "finish_reason": s.finish_reason, "error": s.error,
+        "prompt_tokens": len(s.prompt_ids), "response_tokens": len(s.response_ids), "staleness": s.staleness,
+    }
+
+
+class Evaluator:
+    """Runs the recipe's eval tasks on the same fixed prompts every time and reduces metrics."""
+
+    def __init__(self, env: Environment, backend, *, metrics_cfg=None):
+        recipe = env.recipe
+        self.env = env
+        self.eval_cfg = recipe.eval
+        self.tasks, self.pools = build_tasks(env, recipe.eval.tasks, backend, salt="eval", eval_mode=True)
+        self.metrics = [m.build() for m in recipe.eval.evaluator.metrics]
+        self.backend = backend
+
+    def _num_prompts(self, sampler) -> int | None:
+        ev = self.eval_cfg.evaluator
+        if ev.sample_num > 0:
+            return min(ev.sample_num, len(sampler))
+        if ev.sample_ratio > 0:
+            return max(1, int(len(sampler) * ev.sample_ratio))
+        return None
+
+    async def run(self, step: int) -> tuple[dict[str, float], list[Sample]]:
+        from rlcli.evaluator import evaluate
+
+        self.backend.resume()
+        out: dict[str, float] = {}
+        all_samples: list[Sample] = []
+        for task in self.tasks:
+            groups = task.sampler.fixed_groups(self._num_prompts(task.sampler))
+            for g in groups:  # eval seeds differ per step
+                for s in g:
+                    s.tries = step
+            await asyncio.gather(*(task.agent_loop.run_group(g) for g in groups))
+            samples = [s for g in groups for s in g]
+            all_samples += samples
+            res = evaluate(samples, self.metrics)
+            prefix = "eval/" if len(self.tasks) == 1 else f"eval/{task.name}/"
+            out.update({prefix + k: v for k, v in res.items()})
+        if len(self.tasks) > 1:
+            for k, v in evaluate(all_samples, self.metrics).items():
+                out[f"eval/{k}"] = v
+        for pool in self.pools:
+            for k, v in pool.pop_stats().items():
+                out[f"eval/{k}"] = v
+        return out, all_samples
+
+    def close(self) -> None:
+        for p in self.pools:
+            p.close()
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def write_resolved(recipe: Recipe, work_dir: Path) -> None:
+    reg = get_registry()
+    used = {}
+    for path, kind, spec in recipe.components():
+        e = reg.entry(kind, spec.name)
+        used[path] = f"{kind} {spec.name} from {e.dist} {e.version}"
+    data = {"recipe": resolved_dict(recipe), "plugins": used,
+            "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__}}
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "resolved.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0

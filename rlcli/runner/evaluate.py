@@ -1,0 +1,47 @@
+"""``rlcli eval``: run a recipe's eval tasks on a checkpoint, an HF export, or the base model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from rlcli.config import Recipe
+from rlcli.runner.common import Environment, Evaluator, default_work_dir, sample_row, setup_logging, write_jsonl
+
+
+def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tuple[dict[str, float], Path]:
+    import asyncio
+
+    ckpt = Path(checkpoint) if checkpoint else None
+    is_hf = ckpt is not None and (ckpt / "config.json").exists()
+    if is_hf:  # an HF export: it carries its own tokenizer
+        recipe = recipe.model_copy(deep=True)
+        recipe.model.path, recipe.model.from_scratch, recipe.model.tokenizer = str(ckpt), None, None
+    work_dir = default_work_dir(recipe)
+    out = Path(out_dir) if out_dir else work_dir / "eval" / (ckpt.name if ckpt else "base")
+    setup_logging(out, quiet=True)
+    env = Environment(recipe, work_dir)
+    backend = env.build_backend()
+    if ckpt is not None and not is_hf:
+        from rlcli.train.worker import TrainWorker
+
+        worker = TrainWorker(env.model_dir, recipe.model, recipe.train_worker, recipe.train_worker.loss.build(),
+                             device=env.device, dtype=env.dtype, seed=recipe.trainer.seed, total_steps=1)
+        extra = worker.load_checkpoint(ckpt, weights_only=True)
+        for bucket in worker.iter_weights():
+            backend.update_weights(bucket, int(extra.get("step", 0)))
+        del worker
+    evaluator = Evaluator(env, backend)
+    loop = asyncio.new_event_loop()
+    try:
+        metrics, samples = loop.run_until_complete(evaluator.run(step=0))
+    finally:
+        evaluator.close()
+        backend.shutdown()
+        loop.close()
+    write_jsonl(out / "eval.jsonl", [sample_row(s) for s in samples])
+    tmp = out / "eval_metrics.json.tmp"
+    tmp.write_text(json.dumps(metrics, indent=2))
+    os.replace(tmp, out / "eval_metrics.json")
+    return metrics, out

@@ -1,0 +1,85 @@
+"""The JSONL sampler: groups, ids, epochs, bad rows, over-long prompts, checkpoint state."""
+
+import json
+
+import pytest
+
+from rlcli.data.sampler import JsonlSampler, JsonlSamplerConfig
+from rlcli.tokenizer import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:arith")
+
+
+def write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def row(i):
+    return {"data_source": "arith", "prompt": [{"role": "user", "content": f"{i}+1="}],
+            "reward_model": {"ground_truth": str(i + 1)}}
+
+
+def make(path, tok, **kw):
+    return JsonlSampler(JsonlSamplerConfig(path=str(path), **kw), tokenizer=tok, task_name="t", seed=0)
+
+
+def test_groups_and_ids(tmp_path, tok):
+    # behaviour 20: k=5, third prompt -> group 2, uids 10..14
+    s = make(write(tmp_path / "d.jsonl", [row(i) for i in range(4)]), tok, prompt_repeat_k=5, shuffle=False)
+    groups = [s.sample_group() for _ in range(3)]
+    assert groups[2][0].group_id == 2 and [x.uid for x in groups[2]] == [10, 11, 12, 13, 14]
+    assert groups[0][0].prompt_ids == tok("0+1=", add_special_tokens=False)["input_ids"]
+    assert groups[0][0].label == "1" and groups[0][0].data_source == "arith"
+    assert groups[0][0] is not groups[0][1] and groups[0][0].response_ids is not groups[0][1].response_ids
+
+
+def test_epochs_reshuffle_and_resume(tmp_path, tok):
+    p = write(tmp_path / "d.jsonl", [row(i) for i in range(5)])
+    a = make(p, tok, seed=3)
+    first = [a.sample_group()[0].label for _ in range(7)]
+    state = a.state_dict()
+    rest = [a.sample_group()[0].label for _ in range(6)]
+    assert sorted(first[:5]) == sorted(str(i + 1) for i in range(5))  # one full epoch
+    b = make(p, tok, seed=3)
+    b.load_state_dict(state)
+    assert [b.sample_group()[0].label for _ in range(6)] == rest
+
+
+def test_bad_rows_reported_with_line_and_counted(tmp_path, tok):
+    p = write(tmp_path / "d.jsonl", [row(0), "{not json", {"prompt": 5}, row(1), {"prompt": [{"role": "user"}]}])
+    s = make(p, tok)
+    assert len(s) == 2
+    assert any(m.startswith(f"{p}:2:") for m in s.skipped)
+    assert any(f"{p}:3:" in m for m in s.skipped) and any(f"{p}:5:" in m for m in s.skipped)
+    assert s.pop_stats() == {"data/skipped_rows": 3.0}
+    assert s.pop_stats() == {}
+
+
+def test_overlong_prompts_dropped(tmp_path, tok):
+    p = write(tmp_path / "d.jsonl", [row(0), {"prompt": "1+1+1+1+1+1=", "reward_model": {"ground_truth": "6"}}])
+    s = make(p, tok, max_prompt_length=5)
+    assert len(s) == 1 and s.overlong == 1
+
+
+def test_missing_file_and_empty(tmp_path, tok):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        make(tmp_path / "missing.jsonl", tok)
+    with pytest.raises(ValueError, match="no usable prompts"):
+        make(write(tmp_path / "bad.jsonl", ["{"]), tok)
+
+
+def test_resume_on_changed_data_refused(tmp_path, tok):
+    a = make(write(tmp_path / "a.jsonl", [row(i) for i in range(3)]), tok)
+    b = make(write(tmp_path / "b.jsonl", [row(i) for i in range(4)]), tok)
+    with pytest.raises(ValueError, match="refusing"):
+        b.load_state_dict(a.state_dict())
+
+
+def test_fixed_groups_are_stable(tmp_path, tok):
+    s = make(write(tmp_path / "d.jsonl", [row(i) for i in range(4)]), tok)
+    assert [g[0].label for g in s.fixed_groups(3)] == ["1", "2", "3"]
+    assert [g[0].label for g in s.fixed_groups()] == ["1", "2", "3", "4"]
