@@ -1,7 +1,8 @@
 """Tokenizers: loading user tokenizers, and small built-in ones that need no download.
 
 ``builtin:arith`` is a character-level tokenizer for arithmetic toy tasks (digits, operators,
-space, a few letters) with a chat template that concatenates message contents. It is saved
+space, lower-case letters) and ``builtin:digits`` a smaller one (digits and ``+-*=`` only); both
+have a chat template that concatenates message contents. It is saved
 with the model so HF exports load with ``AutoTokenizer`` (llama model type) or
 ``PreTrainedTokenizerFast``.
 """
@@ -21,10 +22,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def _build_arith() -> PreTrainedTokenizerFast:
+def _char_tokenizer(chars: list[str]) -> PreTrainedTokenizerFast:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(_SPECIALS + _ARITH_CHARS)}
+    vocab = {tok: i for i, tok in enumerate(_SPECIALS + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -35,7 +36,10 @@ def _build_arith() -> PreTrainedTokenizerFast:
     return fast
 
 
-BUILTIN_TOKENIZERS = {"arith": _build_arith}
+BUILTIN_TOKENIZERS = {
+    "arith": lambda: _char_tokenizer(_ARITH_CHARS),
+    "digits": lambda: _char_tokenizer(list("0123456789+-*=")),
+}
 
 
 def builtin_tokenizer(name: str) -> PreTrainedTokenizerFast:

@@ -1,1 +1,133 @@
-"""(in progress)"""
+"""Advantage estimators: one group's rewards in, one advantage per sample out.
+
+Every estimator is a registered component of kind ``advantage_estimator`` with one method,
+``compute(rewards, lengths) -> advantages``, over the ``k`` samples of one prompt. The math runs
+in float64 and the result is returned as float32. Degenerate groups never produce NaN: a group
+of one sample, or a group whose rewards are all equal, carries no relative signal and gets
+advantage 0 (except RLOO with ``k = 1``, which by definition returns the raw reward).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from rlcli import hookimpl
+from rlcli.component import Component, ComponentConfig
+
+
+def _as_rewards(rewards: torch.Tensor | list[float]) -> torch.Tensor:
+    r = torch.as_tensor(rewards, dtype=torch.float64).flatten()
+    if r.numel() == 0:
+        raise ValueError("advantage estimators need at least one reward, got an empty group")
+    if not torch.isfinite(r).all():
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    return r
+
+
+def _all_equal(r: torch.Tensor) -> bool:
+    return bool(r.max() == r.min())
+
+
+class AdvantageEstimator(Component):
+    """Base class: maps a group's rewards to per-sample advantages."""
+
+    def compute(self, rewards: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``rewards``: ``[k]`` scores of one group; ``lengths``: ``[k]`` response lengths (optional)."""
+        raise NotImplementedError
+
+
+class GRPOAdvantage(AdvantageEstimator):
+    """GRPO: reward minus the group mean, divided by the group std (+ eps)."""
+
+    name: ClassVar[str] = "grpo"
+
+    class Config(ComponentConfig):
+        eps: float = Field(1e-6, ge=0, description="Added to the group std before dividing.")
+        std: Literal["unbiased", "biased"] = Field(
+            "unbiased", description="Group std with n-1 (unbiased, as XTuner) or n (biased) in the denominator."
+        )
+
+    def compute(self, rewards: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        r = _as_rewards(rewards)
+        if r.numel() == 1 or _all_equal(r):
+            return torch.zeros(r.numel(), dtype=torch.float32)
+        std = r.std(unbiased=self.config.std == "unbiased")
+        return ((r - r.mean()) / (std + self.config.eps)).float()
+
+
+class DrGRPOAdvantage(AdvantageEstimator):
+    """Dr. GRPO: reward minus the group mean, without std normalisation."""
+
+    name: ClassVar[str] = "dr_grpo"
+
+    class Config(ComponentConfig):
+        pass
+
+    def compute(self, rewards: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        r = _as_rewards(rewards)
+        if _all_equal(r):
+            return torch.zeros(r.numel(), dtype=torch.float32)
+        return (r - r.mean()).float()
+
+
+class RLOOAdvantage(AdvantageEstimator):
+    """RLOO: reward minus the mean reward of the other samples of the group."""
+
+    name: ClassVar[str] = "rloo"
+
+    class Config(ComponentConfig):
+        pass
+
+    def compute(self, rewards: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        r = _as_rewards(rewards)
+        k = r.numel()
+        if k == 1:
+            return r.float()
+        if _all_equal(r):
+            return torch.zeros(k, dtype=torch.float32)
+        return (r - (r.sum() - r) / (k - 1)).float()
+
+
+class PassAtKAdvantage(AdvantageEstimator):
+    """Pass@k: advantages that optimise the probability that one of k samples is correct."""
+
+    name: ClassVar[str] = "pass_at_k"
+
+    class Config(ComponentConfig):
+        k: int = Field(4, ge=1, description="The k of pass@k; groups smaller than k fall back to pass@1.")
+        eps: float = Field(1e-6, ge=0, description="Added to the std of the group's pass@k estimate.")
+
+    def compute(self, rewards: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """XTuner's formula (rewards > 0 count as correct; ``c`` correct of ``n``)::
+
+            rho   = 1 - C(n-c, k)/C(n, k)           (pass@k of the group)
+            sigma = sqrt(rho (1 - rho)) + eps
+            A(correct)   = (1 - rho) / sigma
+            A(incorrect) = (1 - rho - C(n-c-1, k-1)/C(n-1, k-1)) / sigma
+
+        Deviations, all where XTuner divides by zero or returns ``-1/eps``: a group smaller than
+        ``k`` uses ``k = 1`` (XTuner's ``rho = c/n``; the formula then equals biased-std GRPO on
+        the binarised rewards), and groups with one sample, no correct or only correct samples
+        get 0 (the formula's own limit: no sample is better than another).
+        """
+        r = _as_rewards(rewards)
+        n = r.numel()
+        correct = r > 0
+        c = int(correct.sum())
+        if n == 1 or c == 0 or c == n:
+            return torch.zeros(n, dtype=torch.float32)
+        k = self.config.k if n >= self.config.k else 1
+        rho = 1.0 - math.comb(n - c, k) / math.comb(n, k)
+        sigma = math.sqrt(rho * (1.0 - rho)) + self.config.eps
+        a_pos = (1.0 - rho) / sigma
+        a_neg = (1.0 - rho - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)) / sigma
+        return torch.where(correct, torch.tensor(a_pos), torch.tensor(a_neg)).float()
+
+
+@hookimpl
+def register_advantage_estimators() -> list[type]:
+    return [GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, PassAtKAdvantage]

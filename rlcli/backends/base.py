@@ -34,6 +34,9 @@ class GenerateRequest:
     prompt_ids: list[int]
     params: SampleParams
     request_id: Any = None
+    # Sampling seed. With the same seed, prompt, parameters and weights a backend that supports it
+    # returns the same tokens whatever else it is serving; None lets the backend choose one.
+    seed: int | None = None
 
 
 @dataclass

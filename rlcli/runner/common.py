@@ -49,6 +49,10 @@ def seed_everything(seed: int) -> None:
 
 
 def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # our own progress bars only
     root = logging.getLogger("rlcli")
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
@@ -236,7 +240,7 @@ def write_resolved(recipe: Recipe, work_dir: Path) -> None:
         e = reg.entry(kind, spec.name)
         used[path] = f"{kind} {spec.name} from {e.dist} {e.version}"
     data = {"recipe": resolved_dict(recipe), "plugins": used,
-            "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__}}
+            "versions": {"torch": str(torch.__version__), "transformers": str(__import__("transformers").__version__)}}
     work_dir.mkdir(parents=True, exist_ok=True)
     (work_dir / "resolved.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
 

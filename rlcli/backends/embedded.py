@@ -1,0 +1,1321 @@
+"""The built-in inference backend: a continuous-batching engine in pure PyTorch.
+
+``EmbeddedBackend`` (registered as ``embedded``) serves the RL loop from the process that runs
+it: no server, no extra dependency, the same code on a laptop CPU (float32) and on a GPU
+(bfloat16). It is built from three parts:
+
+* :class:`LlamaFamilyModel` - a batched prefill/decode forward for the llama family (model types
+  ``llama``, ``mistral``, ``qwen2``, ``qwen3``). It reuses the Hugging Face model's own modules
+  (embedding, q/k/v/o projections, RMSNorms, q/k norms, MLP, lm_head and the model's
+  ``rotary_emb``, so every RoPE scaling variant stays correct) and replaces only attention and
+  the KV cache.
+* :class:`KVCache` - per layer, one preallocated ``[max_batch_size, kv_heads, max_model_len,
+  head_dim]`` tensor for keys and one for values. Active sequences always occupy rows
+  ``0..B-1`` ("slot compaction": when a sequence finishes, the last active rows move into the
+  freed rows), so decode attention reads the contiguous views ``cache[:B, :, :L]`` with no
+  gather.
+* :class:`EmbeddedEngine` - the synchronous scheduler. One :meth:`~EmbeddedEngine.step` admits
+  waiting requests into free rows (their prompts are prefilled in padded batches of at most
+  ``max_prefill_tokens``; identical prompts admitted together - the ``prompt_repeat_k`` copies
+  of a group - are prefilled once and their KV written to every copy's row), then runs one
+  batched decode step for all active rows. Sampling happens on the device; the only
+  device-to-host transfer of a decode step is one boolean per row ("sampled a stop token"),
+  and token ids, logprobs and versions stay in device buffers until a sequence finishes.
+
+Sampling is a function of (request seed, token position, logits) only: each row draws one
+uniform number from a counter-based hash of its seed and the absolute position of the token
+and inverts the CDF of its (temperature-scaled, top-k/top-p filtered) distribution. A request
+therefore yields the same tokens whatever else is in the batch and whenever it is admitted, and
+a partial response continued with the same seed draws the same numbers it would have drawn
+uninterrupted. (Logits themselves can differ in the last bits with the batch shape - more so on
+GPUs, where matrix kernels are chosen per shape - so a draw within that distance of a CDF
+boundary could still flip.) The logprob returned for a token is ``log_softmax(logits / T)`` with ``T`` the
+temperature (1.0 for greedy) and *no* top-k/top-p renormalisation, which is what the trainer
+recomputes.
+
+CPU vs GPU: everything here runs on both; nothing is CPU-only. On CUDA with ``cuda_graphs:
+true`` the decode forward runs on bucketed shapes (rows padded to 1, 2, 4, ..., 32 then
+multiples of 32; key length padded to a power of two) and each shape's forward is captured
+once into a CUDA graph (:class:`CudaGraphDecoder`) and replayed afterwards. Prefill and
+sampling run eagerly (outside graphs, cuDNN attention is avoided: it plans per shape). The cache is a dense per-row tensor (no paging), sized
+``max_batch_size x max_model_len``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest, InferenceBackend
+from rlcli.component import ComponentConfig
+from rlcli.types import SampleParams
+
+log = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+"""Hugging Face ``model_type`` values the embedded engine can run."""
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# ------------------------------------------------------------------------------------------
+# Counter-based randomness
+# ------------------------------------------------------------------------------------------
+_M32 = 0xFFFFFFFF
+_M64 = 0xFFFFFFFFFFFFFFFF
+# Multiplier of a well-mixing 32-bit integer hash; below 2**31, so products of 32-bit values
+# stay below 2**63 and int64 tensor arithmetic never overflows.
+_HASH_MUL = 0x45D9F3B
+
+
+def _splitmix64(x: int) -> int:
+    """One step of the splitmix64 generator (exact Python integer arithmetic)."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """The two 32-bit hash keys a request's seed (any Python int) is reduced to."""
+    h1 = _splitmix64(seed & _M64)
+    h2 = _splitmix64(h1)
+    return h1 & _M32, h2 & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """Avalanche a tensor of 32-bit values held in int64 (no overflow: see ``_HASH_MUL``)."""
+    x = x ^ (x >> 16)
+    x = (x * _HASH_MUL) & _M32
+    x = x ^ (x >> 16)
+    x = (x * _HASH_MUL) & _M32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(key1: torch.Tensor, key2: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    """Uniform numbers in ``[0, 1 - 2**-23]`` from (keys, position), elementwise, as float32.
+
+    A pure function of its inputs (no generator state), so a row's random number depends on its
+    own seed and token position only, never on the batch it is computed in. 23 bits keep
+    ``u * total < total`` exact in float32, which :func:`sample_tokens` relies on.
+    """
+    x = _mix32(_mix32((position & _M32) ^ key1) ^ key2)
+    return (x >> 9).to(torch.float32) * (2.0**-23)
+
+
+# ------------------------------------------------------------------------------------------
+# Sampling
+# ------------------------------------------------------------------------------------------
+def filter_top_k_top_p(
+    scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, use_top_p: bool, max_top_k: int
+) -> torch.Tensor:
+    """Set to ``-inf`` the scores outside each row's top-k / top-p (nucleus) set.
+
+    ``top_k`` is int64 ``[n]`` (0 = off), ``top_p`` float ``[n]`` (1.0 = off); top-p applies to
+    the distribution renormalised over the top-k set. The kept set is cut by value, so tokens
+    tied with the last kept one are kept too (deterministic whatever the sort order of ties).
+    ``use_top_p=False`` takes the cheaper ``topk(max_top_k)`` path (then no row may use top-p).
+    """
+    n, vocab = scores.shape
+    neg_inf = torch.tensor(float("-inf"), dtype=scores.dtype, device=scores.device)
+    if use_top_p:
+        srt = scores.sort(dim=-1, descending=True).values
+        rank = torch.arange(vocab, device=scores.device)
+        keep = (top_k[:, None] == 0) | (rank[None, :] < top_k[:, None])
+        probs = torch.softmax(srt.masked_fill(~keep, float("-inf")), dim=-1)
+        cum = probs.cumsum(dim=-1)
+        cum_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+        keep &= (cum_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        n_keep = keep.sum(dim=-1).clamp_min(1)
+        thresh = srt.gather(1, (n_keep - 1)[:, None])
+    else:
+        k_max = max(1, min(int(max_top_k), vocab))
+        vals = scores.topk(k_max, dim=-1).values
+        k = torch.where(top_k > 0, top_k.clamp(max=k_max), torch.full_like(top_k, k_max))
+        thresh = vals.gather(1, (k - 1)[:, None])
+        thresh = torch.where(top_k[:, None] > 0, thresh, neg_inf)
+    return scores.masked_fill(scores < thresh, float("-inf"))
+
+
+def sample_tokens(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Draw one token per row from ``softmax(scores)`` by inverting its CDF at ``uniform``.
+
+    ``uniform`` must lie in ``[0, 1)`` with ``uniform * total < total`` in float32 (as
+    :func:`counter_uniform` guarantees); the chosen token then always has positive probability.
+    """
+    p = (scores - scores.max(dim=-1, keepdim=True).values).exp()
+    cum = p.cumsum(dim=-1)
+    target = (uniform * cum[:, -1]).unsqueeze(-1)
+    tok = torch.searchsorted(cum, target, right=True).squeeze(-1)
+    return tok.clamp_(max=scores.shape[-1] - 1)
+
+
+# ------------------------------------------------------------------------------------------
+# Model
+# ------------------------------------------------------------------------------------------
+def _attention_backends(device: torch.device, allow_cudnn: bool):
+    """Context choosing SDPA kernels. On CUDA, cuDNN attention builds a plan for every new
+    input shape (tens of ms each), which is ruinous when shapes change from step to step, so it
+    is excluded except inside captured CUDA graphs, where each shape is seen once."""
+    if device.type != "cuda" or allow_cudnn:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the "rotate half" convention of the Hugging Face llama family."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.nn.Module
+    q_proj: torch.nn.Module
+    k_proj: torch.nn.Module
+    v_proj: torch.nn.Module
+    o_proj: torch.nn.Module
+    q_norm: torch.nn.Module | None
+    k_norm: torch.nn.Module | None
+    post_norm: torch.nn.Module
+    mlp: torch.nn.Module
+    scale: float
+    window: int | None  # sliding-window width, None = full attention
+
+
+class LlamaFamilyModel:
+    """Batched prefill and decode over a Hugging Face llama-family causal LM.
+
+    Uses the HF model's modules as they are (so in-place weight updates are seen at once) and
+    implements attention against a :class:`KVCache`. Supported: RMSNorm, RoPE (through the
+    model's own ``rotary_emb``), grouped-query attention, SwiGLU MLP, q/k/v biases (qwen2), q/k
+    norms (qwen3), sliding-window layers, tied embeddings.
+    """
+
+    def __init__(self, hf_model: torch.nn.Module):
+        cfg = hf_model.config
+        model_type = getattr(cfg, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the embedded backend does not support model_type {model_type!r}; supported: "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (use another inference backend for this model)"
+            )
+        base = getattr(hf_model, "model", None)
+        if base is None or not hasattr(base, "layers") or not hasattr(base, "rotary_emb"):
+            raise ValueError(f"unexpected module layout for a {model_type} model: {type(hf_model).__name__}")
+        self.hf = hf_model
+        self.config = cfg
+        self.model_type = model_type
+        self.embed = base.embed_tokens
+        self.final_norm = base.norm
+        self.rotary = base.rotary_emb
+        self.lm_head = hf_model.lm_head
+        attn0 = base.layers[0].self_attn
+        self.head_dim = int(getattr(attn0, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.num_heads = attn0.q_proj.out_features // self.head_dim
+        self.num_kv_heads = attn0.k_proj.out_features // self.head_dim
+        self.vocab_size = int(self.lm_head.out_features)
+        self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+        self.layers: list[_Layer] = []
+        for layer in base.layers:
+            attn = layer.self_attn
+            if hasattr(attn, "sliding_window"):
+                window = attn.sliding_window
+            else:
+                window = getattr(cfg, "sliding_window", None) if model_type == "mistral" else None
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm,
+                    q_proj=attn.q_proj,
+                    k_proj=attn.k_proj,
+                    v_proj=attn.v_proj,
+                    o_proj=attn.o_proj,
+                    q_norm=getattr(attn, "q_norm", None),
+                    k_norm=getattr(attn, "k_norm", None),
+                    post_norm=layer.post_attention_layernorm,
+                    mlp=layer.mlp,
+                    scale=float(getattr(attn, "scaling", self.head_dim**-0.5)),
+                    window=int(window) if window else None,
+                )
+            )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    # -------------------------------------------------------------------------- weights
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """HF state-dict names -> live tensors (tied weights appear under both names)."""
+        return dict(self.hf.state_dict(keep_vars=True))
+
+    @torch.no_grad()
+    def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the model in place; returns how many were copied.
+
+        All names and shapes are checked before anything is copied, so a bad call changes
+        nothing. Raises ``ValueError`` naming every unknown name / mismatched shape.
+        """
+        items = list(named_tensors)
+        params = self.named_parameters()
+        unknown = [name for name, _ in items if name not in params]
+        if unknown:
+            sample = ", ".join(sorted(params)[:3])
+            raise ValueError(
+                f"update_weights: {len(unknown)} unknown tensor name(s): {', '.join(unknown)} "
+                f"(expected Hugging Face state_dict names such as {sample}, ...)"
+            )
+        bad = [
+            f"{name} {tuple(t.shape)} (model has {tuple(params[name].shape)})"
+            for name, t in items
+            if tuple(t.shape) != tuple(params[name].shape)
+        ]
+        if bad:
+            raise ValueError(f"update_weights: shape mismatch for {', '.join(bad)}")
+        for name, tensor in items:
+            params[name].data.copy_(tensor.detach(), non_blocking=True)
+        return len(items)
+
+    # -------------------------------------------------------------------------- forward
+    def _qkv(self, layer: _Layer, x: torch.Tensor, shape: tuple[int, ...]):
+        hd = self.head_dim
+        q = layer.q_proj(x).view(*shape, self.num_heads, hd)
+        k = layer.k_proj(x).view(*shape, self.num_kv_heads, hd)
+        v = layer.v_proj(x).view(*shape, self.num_kv_heads, hd)
+        if layer.q_norm is not None:
+            q = layer.q_norm(q)
+        if layer.k_norm is not None:
+            k = layer.k_norm(k)
+        return q, k, v
+
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        last_index: torch.Tensor,
+        cache: "KVCache",
+        dest_rows: torch.Tensor,
+        src_index: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run right-padded prompts ``[c, L]`` from position 0; returns float32 logits ``[c, V]``.
+
+        The keys/values of prompt ``src_index[i]`` are written into cache row ``dest_rows[i]``
+        (positions ``0..L-1``; padded positions hold junk that is never attended to), which is
+        how one prompt is shared by many rows. ``last_index[j]`` is the last real position of
+        prompt ``j``; only there are the final norm and lm_head computed. Right padding with a
+        causal mask never lets a real position attend to padding.
+        """
+        c, length = input_ids.shape
+        positions = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(c, length)
+        h = self.embed(input_ids)
+        cos, sin = self.rotary(h, positions)  # [c, L, hd]
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+        gqa = self.num_heads != self.num_kv_heads
+        rows = torch.arange(c, device=input_ids.device)
+        last_layer = len(self.layers) - 1
+        with _attention_backends(h.device, allow_cudnn=False):
+            for i, layer in enumerate(self.layers):
+                x = layer.input_norm(h)
+                q, k, v = self._qkv(layer, x, (c, length))
+                q = _rope(q, cos, sin).transpose(1, 2)  # [c, H, L, hd]
+                k = _rope(k, cos, sin).transpose(1, 2)  # [c, KVH, L, hd]
+                v = v.transpose(1, 2)
+                cache.write_prefill(i, dest_rows, src_index, k, v)
+                if layer.window is not None and length > layer.window:
+                    qi = torch.arange(length, device=h.device)
+                    diff = qi[:, None] - qi[None, :]
+                    mask = (diff >= 0) & (diff < layer.window)
+                    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=gqa)
+                else:
+                    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=gqa)
+                attn = attn.transpose(1, 2).reshape(c, length, self.num_heads * self.head_dim)
+                h = h + layer.o_proj(attn)
+                if i == last_layer:  # only the last position of each prompt is needed from here on
+                    h = h[rows, last_index]
+                h = h + layer.mlp(layer.post_norm(h))
+        return self.lm_head(self.final_norm(h)).float()
+
+    def decode(
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int, allow_cudnn: bool = False
+    ) -> torch.Tensor:
+        """One token for each of cache rows ``0..n-1``; returns float32 logits ``[n, V]``.
+
+        Row ``i`` feeds ``tokens[i]`` at ``positions[i]``, writes its key/value there and
+        attends to cache positions ``0..positions[i]`` (keys beyond are masked; ``key_len`` must
+        exceed every position). The query heads that share a KV head are laid out as
+        ``[n, KVH, group, hd]`` so plain SDPA handles grouped-query attention without repeating
+        the cache. ``allow_cudnn`` lets SDPA pick cuDNN attention on CUDA (only worth it when the
+        shape repeats, as under CUDA-graph replay).
+        """
+        with _attention_backends(tokens.device, allow_cudnn):
+            return self._decode(tokens, positions, cache, key_len)
+
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int) -> torch.Tensor:
+        n = tokens.shape[0]
+        hd, kvh = self.head_dim, self.num_kv_heads
+        group = self.num_heads // kvh
+        h = self.embed(tokens)  # [n, D]
+        cos, sin = self.rotary(h, positions.unsqueeze(1))  # [n, 1, hd]
+        key_pos = torch.arange(key_len, device=tokens.device)
+        visible = key_pos[None, :] <= positions[:, None]  # [n, L]
+        masks: dict[int | None, torch.Tensor] = {None: visible.view(n, 1, 1, key_len)}
+        rows = torch.arange(n, device=tokens.device)
+        for i, layer in enumerate(self.layers):
+            x = layer.input_norm(h)
+            q, k, v = self._qkv(layer, x, (n,))
+            q = _rope(q, cos, sin)  # [n, H, hd]
+            k = _rope(k, cos, sin)  # [n, KVH, hd]
+            keys, values = cache.write_decode(i, rows, positions, k, v, key_len)
+            mask = masks.get(layer.window)
+            if mask is None:
+                win = visible & (key_pos[None, :] > positions[:, None] - layer.window)
+                mask = masks[layer.window] = win.view(n, 1, 1, key_len)
+            attn = F.scaled_dot_product_attention(
+                q.view(n, kvh, group, hd), keys, values, attn_mask=mask, scale=layer.scale
+            )
+            h = h + layer.o_proj(attn.reshape(n, self.num_heads * hd))
+            h = h + layer.mlp(layer.post_norm(h))
+        return self.lm_head(self.final_norm(h)).float()
+
+
+# ------------------------------------------------------------------------------------------
+# KV cache
+# ------------------------------------------------------------------------------------------
+class KVCache:
+    """Preallocated keys and values: per layer ``[rows, kv_heads, max_len, head_dim]``.
+
+    Zero-initialised: attention reads ``cache[:B, :, :L]`` and masks the positions a row has
+    not written, and a masked position still contributes ``0 * value``, so every value must be
+    finite (uninitialised memory can hold NaN). Positions a row has not written hold zeros or a
+    previous occupant's (finite) values. ``free()`` releases the memory (sleep) and
+    ``allocate()`` restores it; contents are not preserved.
+    """
+
+    def __init__(
+        self, n_layers: int, rows: int, kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype, device
+    ):
+        self.shape = (rows, kv_heads, max_len, head_dim)
+        self.n_layers, self.dtype, self.device = n_layers, dtype, torch.device(device)
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.allocate()
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def allocate(self) -> None:
+        if not self.k:
+            self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+            self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+
+    def free(self) -> None:
+        self.k, self.v = [], []
+
+    def write_prefill(self, layer: int, dest_rows, src_index, k: torch.Tensor, v: torch.Tensor) -> None:
+        length = k.shape[2]
+        self.k[layer][dest_rows, :, :length] = k[src_index].to(self.dtype)
+        self.v[layer][dest_rows, :, :length] = v[src_index].to(self.dtype)
+
+    def write_decode(self, layer: int, rows, positions, k: torch.Tensor, v: torch.Tensor, key_len: int):
+        """Store one key/value per row at its position; return the ``[:n, :, :key_len]`` views."""
+        kc, vc = self.k[layer], self.v[layer]
+        kc[rows, :, positions] = k.to(self.dtype)
+        vc[rows, :, positions] = v.to(self.dtype)
+        n = k.shape[0]
+        keys, values = kc[:n, :, :key_len], vc[:n, :, :key_len]
+        if keys.dtype != k.dtype:
+            keys, values = keys.to(k.dtype), values.to(k.dtype)
+        return keys, values
+
+    def move_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
+        """Copy rows ``src`` into rows ``dst`` (positions ``0..length-1``), every layer."""
+        if length <= 0:
+            return
+        for t in self.k + self.v:
+            t[dst, :, :length] = t[src, :, :length]
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA graphs
+# ------------------------------------------------------------------------------------------
+class CudaGraphDecoder:
+    """Replays CUDA graphs of :meth:`LlamaFamilyModel.decode`, one per ``(rows, key_len)`` shape.
+
+    A decode step of a small model is dominated by the CPU cost of launching several hundred
+    kernels; replaying a captured graph launches them all at once. Graphs are captured lazily,
+    the first time a shape is seen (the engine rounds shapes to buckets, so there are few), and
+    share one memory pool, static input buffers and one static logits buffer, so each extra
+    graph costs little memory. Weights updated in place are seen by the graphs; anything that
+    reallocates weights or the KV cache (sleep / wake_up) must call :meth:`reset`.
+    """
+
+    def __init__(self, model: LlamaFamilyModel, cache: "KVCache", max_rows: int):
+        self.model, self.cache = model, cache
+        dev = model.device
+        self._tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self._positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+        self._logits = torch.zeros(max_rows, model.vocab_size, dtype=torch.float32, device=dev)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        # one side stream for every warm-up and capture: libraries keep per-stream workspaces
+        self._stream = torch.cuda.Stream(dev)
+
+    @staticmethod
+    def supported(model: LlamaFamilyModel) -> bool:
+        """False for RoPE variants whose update reads tensor values on the host (not capturable)."""
+        rope_type = str(getattr(model.rotary, "rope_type", "default"))
+        return "dynamic" not in rope_type and "longrope" not in rope_type
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def reset(self) -> None:
+        """Drop every graph (their recorded addresses are stale after reallocation)."""
+        self._graphs.clear()
+        self._pool = None
+
+    def _forward(self, rows: int, key_len: int) -> None:
+        out = self.model.decode(self._tokens[:rows], self._positions[:rows], self.cache, key_len, allow_cudnn=True)
+        self._logits[:rows].copy_(out)
+
+    def _capture(self, rows: int, key_len: int) -> torch.cuda.CUDAGraph:
+        # Warm up eagerly on a side stream (library handles, kernel plans), then capture. Both
+        # run the forward with every position at key_len - 1, which is at or past the end of
+        # every active row's cache, so nothing valid is overwritten.
+        self._tokens[:rows].zero_()
+        self._positions[:rows].fill_(key_len - 1)
+        stream = self._stream
+        current = torch.cuda.current_stream(self.model.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            self._forward(rows, key_len)
+        current.wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self._forward(rows, key_len)
+        self._graphs[(rows, key_len)] = graph
+        return graph
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Same as ``model.decode(tokens, positions, cache, key_len)``; the result is a view of
+        a static buffer, valid until the next call."""
+        rows = tokens.shape[0]
+        graph = self._graphs.get((rows, key_len))
+        if graph is None:
+            graph = self._capture(rows, key_len)
+        self._tokens[:rows].copy_(tokens)
+        self._positions[:rows].copy_(positions)
+        graph.replay()
+        return self._logits[:rows]
+
+
+# ------------------------------------------------------------------------------------------
+# Engine
+# ------------------------------------------------------------------------------------------
+# columns of the per-row int64 state
+_TOK, _CTX, _GEN, _MIN_NEW, _TOP_K, _KEY1, _KEY2, _HAS_STOP, _GREEDY = range(9)
+_N_INT = 9
+# columns of the per-row float32 state
+_TEMP, _TOP_P = range(2)
+_N_FLOAT = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine."""
+
+    request: GenerateRequest
+    prompt: list[int]
+    params: SampleParams
+    key1: int
+    key2: int
+    stop_ids: list[int]  # eos (unless ignore_eos) + stop_token_ids, deduplicated
+    max_new: int  # max_tokens capped by max_model_len - prompt length
+    future: Any = None  # asyncio.Future set by the backend
+    cancelled: bool = False
+    row: int | None = None
+    stop_set: frozenset = field(default_factory=frozenset)
+
+    def __post_init__(self):
+        self.stop_set = frozenset(self.stop_ids)
+
+
+class EmbeddedEngine:
+    """The synchronous continuous-batching scheduler behind :class:`EmbeddedBackend`.
+
+    Not thread-safe: :meth:`step`, :meth:`abort_all` and weight/cache changes must be
+    serialised by the caller (the backend holds one lock around them). :meth:`submit` and
+    :meth:`cancel` may be called from any thread at any time.
+    """
+
+    def __init__(
+        self,
+        model: LlamaFamilyModel,
+        *,
+        max_batch_size: int,
+        max_model_len: int,
+        max_prefill_tokens: int,
+        eos_token_ids: Iterable[int],
+        prefix_sharing: bool = True,
+        kv_cache_dtype: torch.dtype | None = None,
+        pad_token_id: int | None = None,
+        version: int = 0,
+        shape_stable_decode: bool = False,
+    ):
+        self.model = model
+        self.device = model.device
+        self.max_batch_size = int(max_batch_size)
+        self.max_model_len = int(max_model_len)
+        self.max_prefill_tokens = int(max_prefill_tokens)
+        self.prefix_sharing = bool(prefix_sharing)
+        self.eos_token_ids = [int(e) for e in eos_token_ids]
+        self.shape_stable_decode = bool(shape_stable_decode)
+        self.cuda_graphs: CudaGraphDecoder | None = None
+        vocab = model.vocab_size
+        self.pad_token_id = pad_token_id if pad_token_id is not None and 0 <= pad_token_id < vocab else 0
+        self.cache = KVCache(
+            len(model.layers),
+            self.max_batch_size,
+            model.num_kv_heads,
+            self.max_model_len,
+            model.head_dim,
+            kv_cache_dtype or model.dtype,
+            self.device,
+        )
+        n, dev = self.max_batch_size, self.device
+        with torch.inference_mode():
+            self._ints = torch.zeros(n, _N_INT, dtype=torch.int64, device=dev)
+            self._floats = torch.ones(n, _N_FLOAT, dtype=torch.float32, device=dev)
+            self._stop_tab = torch.zeros(n, 1, dtype=torch.int64, device=dev)
+            self._out_tok = torch.zeros(n, self.max_model_len, dtype=torch.int64, device=dev)
+            self._out_lp = torch.zeros(n, self.max_model_len, dtype=torch.float32, device=dev)
+            self._out_ver = torch.zeros(n, self.max_model_len, dtype=torch.int64, device=dev)
+            self._arange = torch.arange(n, device=dev)
+            self._version_t = torch.tensor(int(version), dtype=torch.int64, device=dev)
+        self._version = int(version)
+        # host mirrors of per-row state (numpy, vectorised; no per-token Python loops)
+        self._h_ctx = np.zeros(n, dtype=np.int64)
+        self._h_gen = np.zeros(n, dtype=np.int64)
+        self._h_max_new = np.zeros(n, dtype=np.int64)
+        self._h_min_new = np.zeros(n, dtype=np.int64)
+        self._h_top_k = np.zeros(n, dtype=np.int64)
+        self._h_top_p = np.ones(n, dtype=np.float64)
+        self._h_temp = np.ones(n, dtype=np.float64)  # effective temperature (1.0 for greedy)
+        self._h_greedy = np.zeros(n, dtype=bool)
+        self._h_has_stop = np.zeros(n, dtype=bool)
+        self._rows: list[Sequence | None] = [None] * n
+        self._active = 0  # rows 0.._active-1 hold running sequences
+        self._waiting: deque[Sequence] = deque()
+        self._cancelled: deque[Sequence] = deque()
+        self._qlock = threading.Lock()
+        self._stats_lock = threading.Lock()
+        self._stats = self._zero_stats()
+        self._done: list[tuple[Sequence, GenerateOutput]] = []
+        if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
+            self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size)
+
+    # -------------------------------------------------------------------------- state
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = int(version)
+        with torch.inference_mode():
+            self._version_t.fill_(self._version)
+
+    @property
+    def num_active(self) -> int:
+        return self._active
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return self._active > 0 or bool(self._waiting) or bool(self._cancelled)
+
+    @staticmethod
+    def _zero_stats() -> dict[str, float]:
+        return {"generated_tokens": 0, "prefill_tokens": 0, "shared_prefill_tokens": 0, "busy_s": 0.0, "steps": 0}
+
+    def pop_stats(self) -> dict[str, float]:
+        """Counters since the last call (reset on read) plus the current queue gauges."""
+        with self._stats_lock:
+            out, self._stats = self._stats, self._zero_stats()
+        out["running"] = self._active
+        out["waiting"] = len(self._waiting)
+        return out
+
+    # -------------------------------------------------------------------------- requests
+    def validate(self, request: GenerateRequest) -> str | None:
+        """Why ``request`` cannot be served (an ``error`` message), or None if it can."""
+        prompt = request.prompt_ids
+        if not isinstance(request.params, SampleParams):
+            return f"params must be a SampleParams, got {type(request.params).__name__}"
+        if len(prompt) == 0:
+            return "empty prompt: at least one prompt token is required"
+        if len(prompt) >= self.max_model_len:
+            return (
+                f"prompt has {len(prompt)} tokens but max_model_len is {self.max_model_len}; "
+                f"the prompt must leave room for at least one generated token"
+            )
+        vocab = self.model.vocab_size
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
+        if bad:
+            return f"prompt token ids out of range [0, {vocab}): {bad[:8]}"
+        return None
+
+    def make_sequence(self, request: GenerateRequest, seed: int) -> Sequence:
+        """Wrap a validated request; ``seed`` is used when the request carries none."""
+        p = request.params
+        stop_ids: list[int] = []
+        for t in ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids):
+            if int(t) not in stop_ids:
+                stop_ids.append(int(t))
+        prompt = [int(t) for t in request.prompt_ids]
+        k1, k2 = seed_keys(int(request.seed) if request.seed is not None else int(seed))
+        max_new = min(p.max_tokens, self.max_model_len - len(prompt))
+        return Sequence(request, prompt, p, k1, k2, stop_ids, max_new)
+
+    def submit(self, seq: Sequence) -> None:
+        with self._qlock:
+            self._waiting.append(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Drop a sequence at the next step (its caller stopped waiting)."""
+        seq.cancelled = True
+        self._cancelled.append(seq)
+
+    # -------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, GenerateOutput]]:
+        """Admit + prefill waiting requests, then decode one token for every active row.
+
+        Returns the sequences that finished during the step with their outputs.
+        """
+        t0 = time.perf_counter()
+        self.cache.allocate()
+        # finished outputs collect here (not in a local) so that fail_all() can still return
+        # them if the step raises after some sequences finished
+        done = self._done = []
+        self._reap_cancelled()
+        generated = self._admit(done)
+        if self._active:
+            generated += self._decode(done)
+        self._done = []
+        with self._stats_lock:
+            self._stats["generated_tokens"] += generated
+            self._stats["steps"] += 1
+            self._stats["busy_s"] += time.perf_counter() - t0
+        return done
+
+    @torch.inference_mode()
+    def abort_all(self, reason: str = "abort", error: str | None = None) -> list[tuple[Sequence, GenerateOutput]]:
+        """Finish every running sequence with ``reason`` (keeping its tokens so far) and every
+        waiting one with no tokens."""
+        done: list[tuple[Sequence, GenerateOutput]] = []
+        if self._active:
+            done += self._finish(np.arange(self._active), reason=reason, error=error)
+        with self._qlock:
+            waiting, self._waiting = list(self._waiting), deque()
+        self._cancelled.clear()
+        done += [(s, GenerateOutput(finish_reason=reason, error=error)) for s in waiting if not s.cancelled]
+        return done
+
+    def fail_all(self, error: str) -> list[tuple[Sequence, GenerateOutput]]:
+        """After an engine failure: end every sequence with finish "error" without touching the
+        device (whose state is unknown) and reset the scheduler so new requests are served."""
+        done, self._done = self._done, []
+        done += [(s, GenerateOutput(finish_reason="error", error=error)) for s in self._rows[: self._active] if s]
+        with self._qlock:
+            waiting, self._waiting = list(self._waiting), deque()
+        done += [(s, GenerateOutput(finish_reason="error", error=error)) for s in waiting]
+        for s, _ in done:
+            s.row = None
+        self._rows = [None] * self.max_batch_size
+        self._active = 0
+        self._cancelled.clear()
+        return done
+
+    def _reap_cancelled(self) -> None:
+        rows = []
+        while self._cancelled:
+            seq = self._cancelled.popleft()
+            if seq.row is not None and self._rows[seq.row] is seq:
+                rows.append(seq.row)
+        if rows:
+            self._finish(np.array(sorted(set(rows)), dtype=np.int64), reason="abort")
+
+    # -------------------------------------------------------------------------- admission
+    def _ensure_stop_width(self, width: int) -> None:
+        old = self._stop_tab.shape[1]
+        if width > old:  # widen, padding each row with repeats of its first entry
+            extra = self._stop_tab[:, :1].expand(-1, width - old)
+            self._stop_tab = torch.cat([self._stop_tab, extra], dim=1).contiguous()
+
+    def _admit(self, done: list) -> int:
+        free = self.max_batch_size - self._active
+        seqs: list[Sequence] = []
+        if free > 0 and self._waiting:
+            with self._qlock:
+                while self._waiting and len(seqs) < free:
+                    seq = self._waiting.popleft()
+                    if not seq.cancelled:
+                        seqs.append(seq)
+        if not seqs:
+            return 0
+        n, b0 = len(seqs), self._active
+        width = max(1, self._stop_tab.shape[1], max(len(s.stop_ids) for s in seqs))
+        self._ensure_stop_width(width)
+        ints, floats, stops = [], [], []
+        for i, s in enumerate(seqs):
+            r = b0 + i
+            s.row = r
+            self._rows[r] = s
+            p = s.params
+            greedy = p.temperature == 0.0
+            ints.append(
+                [0, len(s.prompt), 0, p.min_tokens, p.top_k, s.key1, s.key2, int(bool(s.stop_ids)), int(greedy)]
+            )
+            floats.append([1.0 if greedy else float(p.temperature), float(p.top_p)])
+            st = s.stop_ids or [0]
+            stops.append(st + [st[0]] * (width - len(st)))
+        sl = slice(b0, b0 + n)
+        dev = self.device
+        self._ints[sl] = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
+        self._floats[sl] = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
+        self._stop_tab[sl] = torch.tensor(stops, dtype=torch.int64).to(dev, non_blocking=True)
+        self._h_ctx[sl] = [len(s.prompt) for s in seqs]
+        self._h_gen[sl] = 0
+        self._h_max_new[sl] = [s.max_new for s in seqs]
+        self._h_min_new[sl] = [s.params.min_tokens for s in seqs]
+        self._h_top_k[sl] = [s.params.top_k for s in seqs]
+        self._h_top_p[sl] = [s.params.top_p for s in seqs]
+        self._h_temp[sl] = [s.params.temperature or 1.0 for s in seqs]
+        self._h_greedy[sl] = [s.params.temperature == 0.0 for s in seqs]
+        self._h_has_stop[sl] = [bool(s.stop_ids) for s in seqs]
+        self._active = b0 + n
+
+        # prefix sharing: one prefill per distinct prompt among the admitted requests
+        groups: dict[Any, tuple[list[int], list[int]]] = {}
+        for i, s in enumerate(seqs):
+            key = tuple(s.prompt) if self.prefix_sharing else i
+            groups.setdefault(key, (s.prompt, []))[1].append(b0 + i)
+        uniques = sorted(groups.values(), key=lambda g: -len(g[0]))
+        logits_rows = torch.empty(n, self.model.vocab_size, dtype=torch.float32, device=dev)
+        computed = 0
+        start = 0
+        while start < len(uniques):
+            length = len(uniques[start][0])  # longest in the chunk (sorted descending)
+            count = max(1, min(len(uniques) - start, self.max_prefill_tokens // length))
+            chunk = uniques[start : start + count]
+            start += count
+            ids = [p + [self.pad_token_id] * (length - len(p)) for p, _ in chunk]
+            dest = [r for _, rows in chunk for r in rows]
+            src = [j for j, (_, rows) in enumerate(chunk) for _ in rows]
+            last = [len(p) - 1 for p, _ in chunk]
+            dest_t = torch.tensor(dest, dtype=torch.int64).to(dev, non_blocking=True)
+            src_t = torch.tensor(src, dtype=torch.int64).to(dev, non_blocking=True)
+            logits = self.model.prefill(
+                torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+                torch.tensor(last, dtype=torch.int64).to(dev, non_blocking=True),
+                self.cache,
+                dest_t,
+                src_t,
+            )
+            logits_rows[dest_t - b0] = logits[src_t]
+            computed += sum(len(p) for p, _ in chunk)
+        with self._stats_lock:
+            self._stats["prefill_tokens"] += computed
+            self._stats["shared_prefill_tokens"] += sum(len(s.prompt) for s in seqs) - computed
+        rows_np = np.arange(b0, b0 + n)
+        stop = self._sample_and_record(logits_rows, self._arange[b0 : b0 + n], rows_np)
+        self._finish_where_done(rows_np, stop, done)
+        return n
+
+    # -------------------------------------------------------------------------- decode
+    def _decode_shape(self, active: int, key_len: int) -> tuple[int, int]:
+        """Rows and key length the decode forward runs on.
+
+        Shape-stable mode (CUDA graphs) pads the rows to 1, 2, 4, ..., 32 and then multiples of
+        32, and the key length to a power of two (at least 128): few distinct shapes, so few
+        graphs. Otherwise on CUDA only the key length is rounded up to a multiple of 128 (some
+        attention kernels build a plan per shape); on CPU shapes are exact.
+        """
+        if self.shape_stable_decode:
+            rows = 1 << (active - 1).bit_length() if active <= 32 else -(-active // 32) * 32
+            keys = max(128, 1 << (key_len - 1).bit_length())
+        else:
+            rows = active
+            keys = -(-key_len // 128) * 128 if self.device.type == "cuda" else key_len
+        return min(rows, self.max_batch_size), min(keys, self.max_model_len)
+
+    def reset_cuda_graphs(self) -> None:
+        """Forget captured graphs (after the KV cache or the weights were reallocated)."""
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.reset()
+
+    def _decode(self, done: list) -> int:
+        b = self._active
+        key_len = int(self._h_ctx[:b].max()) + 1
+        rows, key_len = self._decode_shape(b, key_len)
+        tokens = self._ints[:rows, _TOK]
+        positions = self._ints[:rows, _CTX]
+        if rows > b:  # padding rows are free rows: keep their (stale) state in range
+            positions = positions.clamp(max=key_len - 1)
+        if self.cuda_graphs is not None:
+            try:
+                logits = self.cuda_graphs(tokens, positions, key_len)[:b]
+            except Exception:  # capture is an optimisation: fall back to eager for good
+                log.warning("CUDA graph capture failed; decoding without CUDA graphs", exc_info=True)
+                self.cuda_graphs = None
+                logits = self.model.decode(tokens, positions, self.cache, key_len)[:b]
+        else:
+            logits = self.model.decode(tokens, positions, self.cache, key_len)[:b]
+        self._ints[:b, _CTX] += 1
+        self._h_ctx[:b] += 1
+        rows_np = np.arange(b)
+        stop = self._sample_and_record(logits, self._arange[:b], rows_np)
+        self._finish_where_done(rows_np, stop, done)
+        return b
+
+    # -------------------------------------------------------------------------- sampling
+    def _sample_and_record(self, logits: torch.Tensor, rows: torch.Tensor, rows_np: np.ndarray) -> np.ndarray:
+        """Choose the next token of ``rows`` from ``logits``, append it (with its logprob and the
+        current version) to the rows' output buffers, and return host booleans "is a stop
+        token". The only device-to-host transfer of a step."""
+        ints = self._ints[rows]
+        floats = self._floats[rows]
+        if np.all(self._h_temp[rows_np] == 1.0):
+            scaled = logits
+        else:
+            scaled = logits / floats[:, _TEMP].unsqueeze(1)
+        lse = torch.logsumexp(scaled, dim=-1)
+        stop_tab = self._stop_tab[rows]
+        has_stop = ints[:, _HAS_STOP] == 1
+
+        choice = scaled
+        gen_np = self._h_gen[rows_np]
+        if np.any((gen_np < self._h_min_new[rows_np]) & self._h_has_stop[rows_np]):
+            suppress = (ints[:, _GEN] < ints[:, _MIN_NEW]) & has_stop
+            current = choice.gather(1, stop_tab)
+            choice = choice.scatter(1, stop_tab, current.masked_fill(suppress[:, None], float("-inf")))
+
+        greedy_np = self._h_greedy[rows_np]
+        if greedy_np.all():
+            tok = choice.argmax(dim=-1)
+        else:
+            filtered = choice
+            top_k_np, top_p_np = self._h_top_k[rows_np], self._h_top_p[rows_np]
+            use_top_p = bool(np.any(top_p_np < 1.0))
+            if use_top_p or np.any(top_k_np > 0):
+                filtered = filter_top_k_top_p(
+                    choice, ints[:, _TOP_K], floats[:, _TOP_P], use_top_p=use_top_p, max_top_k=int(top_k_np.max())
+                )
+            uniform = counter_uniform(ints[:, _KEY1], ints[:, _KEY2], ints[:, _CTX])
+            tok = sample_tokens(filtered, uniform)
+            if greedy_np.any():
+                tok = torch.where(ints[:, _GREEDY] == 1, choice.argmax(dim=-1), tok)
+        logprob = scaled.gather(1, tok[:, None]).squeeze(1) - lse
+
+        gen = ints[:, _GEN]
+        self._out_tok[rows, gen] = tok
+        self._out_lp[rows, gen] = logprob
+        self._out_ver[rows, gen] = self._version_t
+        self._ints[rows, _GEN] = gen + 1
+        self._ints[rows, _TOK] = tok
+        self._h_gen[rows_np] += 1
+        is_stop = has_stop & (tok[:, None] == stop_tab).any(dim=-1)
+        return is_stop.cpu().numpy()
+
+    # -------------------------------------------------------------------------- finishing
+    def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list) -> None:
+        finished = stop | (self._h_gen[rows_np] >= self._h_max_new[rows_np])
+        if finished.any():
+            done += self._finish(rows_np[finished])
+
+    def _finish(
+        self, rows_np: np.ndarray, reason: str | None = None, error: str | None = None
+    ) -> list[tuple[Sequence, GenerateOutput]]:
+        """Collect the outputs of ``rows_np`` (sorted row indices) and free their rows."""
+        gens = self._h_gen[rows_np]
+        longest = int(gens.max()) if len(gens) else 0
+        if longest > 0:
+            idx = torch.as_tensor(rows_np, dtype=torch.int64).to(self.device, non_blocking=True)
+            toks = self._out_tok[idx, :longest].cpu().tolist()
+            lps = self._out_lp[idx, :longest].cpu().tolist()
+            vers = self._out_ver[idx, :longest].cpu().tolist()
+        else:
+            toks = lps = vers = [[] for _ in range(len(rows_np))]
+        out = []
+        for i, r in enumerate(rows_np.tolist()):
+            seq = self._rows[r]
+            g = int(gens[i])
+            tokens = toks[i][:g]
+            why = reason
+            if why is None:
+                why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
+            out.append((seq, GenerateOutput(tokens, lps[i][:g], vers[i][:g], why, error)))
+        self._compact(rows_np)
+        return out
+
+    def _compact(self, finished_rows: np.ndarray) -> None:
+        """Free ``finished_rows`` and move the last active rows into the holes, so that active
+        rows stay ``0..B-1``."""
+        b = self._active
+        fin = set(finished_rows.tolist())
+        new_b = b - len(fin)
+        holes = [r for r in sorted(fin) if r < new_b]
+        movers = [r for r in range(new_b, b) if r not in fin]
+        for r in fin:
+            seq = self._rows[r]
+            if seq is not None:
+                seq.row = None
+        if holes:
+            dst_np, src_np = np.array(holes), np.array(movers)
+            dst = torch.as_tensor(dst_np).to(self.device, non_blocking=True)
+            src = torch.as_tensor(src_np).to(self.device, non_blocking=True)
+            self.cache.move_rows(dst, src, int(self._h_ctx[src_np].max()))
+            for t in (self._ints, self._floats, self._stop_tab):
+                t[dst] = t[src]
+            g = int(self._h_gen[src_np].max())
+            if g > 0:
+                for t in (self._out_tok, self._out_lp, self._out_ver):
+                    t[dst, :g] = t[src, :g]
+            for a in (
+                self._h_ctx, self._h_gen, self._h_max_new, self._h_min_new,
+                self._h_top_k, self._h_top_p, self._h_temp, self._h_greedy, self._h_has_stop,
+            ):  # fmt: skip
+                a[dst_np] = a[src_np]
+            for h, m in zip(holes, movers):
+                seq = self._rows[m]
+                self._rows[h] = seq
+                seq.row = h
+        for r in range(new_b, b):
+            self._rows[r] = None
+        self._active = new_b
+
+
+# ------------------------------------------------------------------------------------------
+# Backend component
+# ------------------------------------------------------------------------------------------
+def _release_cuda_workspaces() -> None:
+    """Return cached CUDA memory to the driver, including cuBLAS workspaces (re-created on the
+    next matrix product), so a colocated trainer can use it."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        try:
+            clear()
+        except RuntimeError:  # private API: never let it break sleep()
+            log.debug("could not clear cuBLAS workspaces", exc_info=True)
+    torch.cuda.empty_cache()
+
+
+def _set_result_if_pending(fut: asyncio.Future, out: GenerateOutput) -> None:
+    if not fut.done():
+        fut.set_result(out)
+
+
+class EmbeddedBackend(InferenceBackend):
+    """Built-in continuous-batching engine in pure PyTorch (llama, mistral, qwen2, qwen3 models).
+
+    Implements the :mod:`rlcli.backends.base` contract on top of :class:`EmbeddedEngine`.
+    ``generate`` enqueues a request and awaits its future; a driver task, started lazily on the
+    running event loop, runs engine steps one after another in a dedicated worker thread while
+    there is work, so the loop stays responsive. One lock serialises steps with
+    ``update_weights``, ``sleep``, ``wake_up`` and ``shutdown``. Requests without a ``seed`` get
+    one from a counter seeded by ``ctx.seed`` (and ``ctx.rank``).
+    """
+
+    name: ClassVar[str] = "embedded"
+
+    class Config(ComponentConfig):
+        max_batch_size: int = Field(
+            256, gt=0, description="Sequences decoded together: the number of KV-cache rows preallocated."
+        )
+        max_model_len: int | None = Field(
+            None,
+            gt=1,
+            description="Prompt + response tokens per sequence (KV-cache length). Default: "
+            "min(model max_position_embeddings, 4096). Longer prompts fail with finish_reason "
+            "'error'; responses are cut at this length with finish_reason 'length'.",
+        )
+        max_prefill_tokens: int = Field(
+            16384,
+            gt=0,
+            description="Padded prompt tokens per prefill forward pass; a single longer prompt is prefilled alone.",
+        )
+        prefix_sharing: bool = Field(
+            True,
+            description="Prefill identical prompts admitted together (a group's prompt_repeat_k copies) "
+            "once and copy their KV cache.",
+        )
+        cuda_graphs: bool = Field(
+            True,
+            description="On CUDA, pad decode steps to bucketed shapes (rows, key length) and replay a CUDA graph "
+            "captured per shape, removing the kernel-launch overhead of small models. Ignored on CPU.",
+        )
+        kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+            "auto", description="KV-cache dtype; auto = the model dtype."
+        )
+
+    def __init__(self, config: "EmbeddedBackend.Config | None", ctx: BackendContext):
+        super().__init__(config, ctx)
+        cfg = self.config
+        self._device = torch.device(ctx.device)
+        hf_model = self._load_model(ctx)
+        self._model = LlamaFamilyModel(hf_model)
+        max_len = cfg.max_model_len or min(self._model.max_position_embeddings, 4096)
+        if max_len > self._model.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={max_len} exceeds the model's max_position_embeddings="
+                f"{self._model.max_position_embeddings}"
+            )
+        kv_dtype = None if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
+        self._engine = EmbeddedEngine(
+            self._model,
+            max_batch_size=cfg.max_batch_size,
+            max_model_len=max_len,
+            max_prefill_tokens=cfg.max_prefill_tokens,
+            eos_token_ids=ctx.eos_token_ids,
+            prefix_sharing=cfg.prefix_sharing,
+            kv_cache_dtype=kv_dtype,
+            pad_token_id=ctx.pad_token_id,
+            version=ctx.version,
+            shape_stable_decode=cfg.cuda_graphs and self._device.type == "cuda",
+        )
+        self._lock = threading.Lock()
+        self._paused = False
+        self._asleep = 0
+        self._closed = False
+        self._driver: asyncio.Task | None = None
+        self._driver_loop: asyncio.AbstractEventLoop | None = None
+        # One dedicated worker thread runs every step: torch's intra-op thread pool is per
+        # calling thread, and hopping between the loop's default executor threads would start
+        # competing pools (several times slower on a small CPU).
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlcli-embedded")
+        self._seed_base = _splitmix64((int(ctx.seed) << 20) ^ (int(ctx.rank) & 0xFFFFF))
+        self._seed_counter = 0
+
+    @staticmethod
+    def _load_model(ctx: BackendContext) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM  # heavy import, only when a backend is built
+
+        model = AutoModelForCausalLM.from_pretrained(str(ctx.model_dir), dtype=ctx.dtype)
+        model.to(ctx.device)
+        model.eval()
+        model.requires_grad_(False)
+        return model
+
+    # -------------------------------------------------------------------------- properties
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    @property
+    def engine(self) -> EmbeddedEngine:
+        """The synchronous scheduler (for inspection and benchmarks)."""
+        return self._engine
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    # -------------------------------------------------------------------------- generate
+    def _next_seed(self) -> int:
+        self._seed_counter += 1
+        return _splitmix64(self._seed_base + self._seed_counter)
+
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """Generate a response; see :mod:`rlcli.backends.base` for the contract.
+
+        Invalid requests (empty prompt, token ids outside the vocabulary, prompt not shorter
+        than ``max_model_len``) return ``finish_reason="error"`` with the reason in ``error``.
+        """
+        if self._closed:
+            return GenerateOutput(finish_reason="error", error="the embedded backend is shut down")
+        problem = self._engine.validate(request)
+        if problem is not None:
+            return GenerateOutput(finish_reason="error", error=problem)
+        if self._paused:
+            return GenerateOutput(finish_reason="abort")
+        loop = asyncio.get_running_loop()
+        seq = self._engine.make_sequence(request, self._next_seed())
+        seq.future = loop.create_future()
+        self._engine.submit(seq)
+        self._ensure_driver(loop)
+        try:
+            return await seq.future
+        except asyncio.CancelledError:
+            self._engine.cancel(seq)
+            raise
+
+    def _ensure_driver(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._driver is None or self._driver.done() or self._driver_loop is not loop:
+            self._driver_loop = loop
+            self._driver = loop.create_task(self._drive(), name="rlcli-embedded-engine")
+
+    def _kick(self) -> None:
+        """Restart the driver (e.g. after wake_up) if requests are queued."""
+        loop = self._driver_loop
+        if loop is None or loop.is_closed() or not self._engine.has_work():
+            return
+        try:
+            loop.call_soon_threadsafe(self._ensure_driver, loop)
+        except RuntimeError:  # loop closed meanwhile
+            pass
+
+    async def _drive(self) -> None:
+        """Run engine steps in the worker thread while there is work (the event loop stays free)."""
+        loop = asyncio.get_running_loop()
+        while not self._closed and self._engine.has_work() and (not self._asleep or self._paused):
+            try:
+                done = await loop.run_in_executor(self._executor, self._locked_step)
+            except Exception as exc:  # never let a failed step strand the callers
+                log.exception("embedded engine step failed")
+                with self._lock:
+                    done = self._engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+            self._deliver(done)
+
+    def _locked_step(self) -> list[tuple[Sequence, GenerateOutput]]:
+        with self._lock:
+            if self._closed or self._paused:
+                return self._engine.abort_all()
+            if self._asleep:
+                return []
+            return self._engine.step()
+
+    @staticmethod
+    def _deliver(done: list[tuple[Sequence, GenerateOutput]]) -> None:
+        """Resolve the futures of finished sequences, from any thread."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        for seq, out in done:
+            fut = seq.future
+            if fut is None or fut.done():
+                continue
+            loop = fut.get_loop()
+            if loop is running:
+                fut.set_result(out)
+            else:
+                try:
+                    loop.call_soon_threadsafe(_set_result_if_pending, fut, out)
+                except RuntimeError:  # its loop is closed: nobody is waiting any more
+                    pass
+
+    # -------------------------------------------------------------------------- control
+    def pause(self) -> None:
+        """Abort every in-flight request (finish "abort", tokens so far) and refuse new ones.
+
+        If no step is running the requests are aborted at once, else at the end of that step.
+        """
+        self._paused = True
+        if self._lock.acquire(blocking=False):
+            try:
+                done = self._engine.abort_all()
+            finally:
+                self._lock.release()
+            self._deliver(done)
+
+    def resume(self) -> None:
+        """Accept requests again after :meth:`pause`."""
+        self._paused = False
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy Hugging Face-named tensors into the model in place and set the policy version.
+
+        Any subset of ``model.state_dict()`` names is accepted (``lm_head.weight`` of a tied
+        model updates the shared embedding); tensors are cast to the engine's dtype and device.
+        Unknown names or wrong shapes raise ``ValueError`` before anything is changed. Waits for
+        a running step to end; tokens generated afterwards carry ``version``.
+        """
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the embedded backend is shut down")
+            self._model.load_named_tensors(named_tensors)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+            self._engine.set_version(version)
+
+    def sleep(self, level: int = 1) -> None:
+        """Release device memory: the KV cache (level 1) and also the weights (level 2, moved to
+        CPU memory). Requests still in flight are aborted; requests made while asleep wait for
+        :meth:`wake_up`. On CPU the weights stay where they are."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        with self._lock:
+            done = self._engine.abort_all()
+            self._engine.reset_cuda_graphs()
+            self._engine.cache.free()
+            if level == 2 and self._device.type == "cuda":
+                self._model.hf.to("cpu")
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+                _release_cuda_workspaces()
+            self._asleep = max(self._asleep, level)
+        self._deliver(done)
+
+    def wake_up(self) -> None:
+        """Restore what :meth:`sleep` released and resume serving queued requests."""
+        with self._lock:
+            if self._asleep >= 2 and self._device.type == "cuda":
+                self._model.hf.to(self._device)
+            with torch.inference_mode():
+                self._engine.cache.allocate()
+            self._asleep = 0
+        self._kick()
+
+    def shutdown(self) -> None:
+        """Abort everything in flight and free the cache and the model."""
+        with self._lock:
+            if self._closed:
+                return
+            done = self._engine.abort_all()
+            self._engine.reset_cuda_graphs()
+            self._engine.cuda_graphs = None
+            self._engine.cache.free()
+            self._closed = True
+            # drop every reference to the weights so their memory can be reclaimed
+            self._engine.model = None
+            self._model = None
+            if self._device.type == "cuda":
+                _release_cuda_workspaces()
+        self._executor.shutdown(wait=False)
+        self._deliver(done)
+
+    def stats(self) -> dict[str, float]:
+        """``generated_tokens``, ``prefill_tokens`` (computed, i.e. after prefix sharing),
+        ``shared_prefill_tokens``, ``busy_s`` and ``steps`` since the last call (reset on read),
+        plus the gauges ``running`` and ``waiting``."""
+        return self._engine.pop_stats()

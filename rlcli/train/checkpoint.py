@@ -1,0 +1,233 @@
+"""Training checkpoints: DCP model/optimizer shards plus everything needed for an exact resume.
+
+Layout of ``<root>/step-N/``::
+
+    weights/           torch.distributed.checkpoint (DCP) of {"model": ..., "optim": ...}; every rank writes its shards
+    rank-<r>.pt        per-rank state: LR scheduler, RNG states (python, numpy, torch CPU, CUDA)
+    extra_state.pt     the caller's dict (sampler positions, replay buffer, step, ...), from rank 0
+    meta.json          format version, world size, whether the optimizer is included
+    COMPLETE           written last
+
+Saving is atomic: everything goes to ``step-N.tmp`` and is renamed to ``step-N`` once complete,
+so a crash mid-save leaves earlier checkpoints intact and no half-written ``step-N``. Leftover
+``.tmp`` directories are never picked up by :func:`latest_checkpoint` and are removed by the
+next save (or :func:`clean_incomplete`). A filesystem shared by all ranks is assumed (as DCP
+does). ``*.pt`` files are written and read by rlcli itself (``torch.load(weights_only=False)``):
+load only checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from rlcli.dist import barrier, is_main, rank, world_size
+
+FORMAT_VERSION = 1
+COMPLETE = "COMPLETE"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def is_complete(path: str | Path) -> bool:
+    return (Path(path) / COMPLETE).is_file()
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete ``step-N`` checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and is_complete(p):
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The complete ``step-N`` directory with the highest N, or None."""
+    ckpts = list_checkpoints(root)
+    return ckpts[-1][1] if ckpts else None
+
+
+def prune(root: str | Path, maxkeep: int | None) -> list[Path]:
+    """Delete all but the newest ``maxkeep`` complete checkpoints (None, -1 or 0: keep all); rank 0 only."""
+    if maxkeep is None or maxkeep <= 0 or not is_main():
+        return []
+    ckpts = list_checkpoints(root)
+    doomed = [p for _, p in ckpts[: max(0, len(ckpts) - maxkeep)]]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def clean_incomplete(root: str | Path) -> list[Path]:
+    """Remove leftovers of interrupted saves (``*.tmp``); restore a ``step-N.old`` whose ``step-N`` is gone."""
+    root = Path(root)
+    removed: list[Path] = []
+    if not root.is_dir() or not is_main():
+        return removed
+    for p in sorted(root.iterdir()):
+        if p.name.endswith(".tmp") and _STEP_RE.match(p.name[:-4]):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+        elif p.name.endswith(".old") and _STEP_RE.match(p.name[:-4]):
+            final = p.with_name(p.name[:-4])
+            if final.exists() or not is_complete(p):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+            else:
+                os.replace(p, final)
+    return removed
+
+
+# ------------------------------------------------------------------------------------ RNG
+def capture_rng_state() -> dict[str, Any]:
+    """Python, numpy, torch CPU and (if initialised) CUDA generator states of this process."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- save / load
+def _fsync_write(path: Path, data: str) -> None:
+    with open(path, "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    extra_state: dict[str, Any] | None = None,
+    *,
+    no_optimizer: bool = False,
+) -> Path:
+    """Save a checkpoint to ``path`` atomically (collective: call on every rank). Returns ``path``.
+
+    ``model`` must be an FSDP2 module in its sharded state (call ``model.reshard()`` after
+    no-grad forwards). An optimizer that has never stepped is not saved (loading then leaves
+    the fresh optimizer untouched, which is equivalent).
+    """
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if is_main():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        clean_incomplete(path.parent)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    barrier()
+
+    with_optim = optimizer is not None and not no_optimizer and bool(optimizer.state)
+    if with_optim:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model)}
+    dcp.save(state, checkpoint_id=str(tmp / "weights"))
+
+    rank_state = {"rng": capture_rng_state(), "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    torch.save(rank_state, tmp / f"rank-{rank()}.pt")
+    if is_main():
+        torch.save(extra_state or {}, tmp / "extra_state.pt")
+        meta = {"format": FORMAT_VERSION, "world_size": world_size(), "has_optimizer": with_optim}
+        _fsync_write(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+    barrier()
+    if is_main():
+        _fsync_write(tmp / COMPLETE, "")
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()
+    return path
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return json.loads((Path(path) / "meta.json").read_text())
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    *,
+    load_optimizer: bool = True,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Restore a checkpoint written by :func:`save_checkpoint` (collective); returns its ``extra_state``.
+
+    The optimizer is restored when the checkpoint has one and ``load_optimizer`` is True;
+    otherwise it is left as is. RNG and scheduler states come from this rank's file, or rank
+    0's when the world size changed.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
+    meta = read_meta(path)
+    if meta.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not supported (expected {FORMAT_VERSION})")
+    with_optim = bool(meta["has_optimizer"]) and load_optimizer and optimizer is not None
+    if with_optim:
+        msd, osd = get_state_dict(model, optimizer)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=str(path / "weights"))
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=str(path / "weights"))
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+
+    rank_file = path / f"rank-{rank()}.pt"
+    if not rank_file.exists() or meta.get("world_size") != world_size():
+        rank_file = path / "rank-0.pt"
+    rank_state = torch.load(rank_file, weights_only=False)
+    if scheduler is not None and rank_state.get("scheduler") is not None:
+        scheduler.load_state_dict(rank_state["scheduler"])
+        if optimizer is not None and not with_optim:
+            # A fresh optimizer starts at the base LR; continue the schedule where it was.
+            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+    if restore_rng:
+        restore_rng_state(rank_state["rng"])
+    return torch.load(path / "extra_state.pt", weights_only=False)

@@ -1,0 +1,134 @@
+"""Advantage estimators against hand-written reference formulas (XTuner acceptance 43, 44)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rlcli.algo.advantage import DrGRPOAdvantage, GRPOAdvantage, PassAtKAdvantage, RLOOAdvantage
+from rlcli.plugins import get_registry
+
+
+def _grpo_ref(r: list[float], eps: float, unbiased: bool) -> list[float]:
+    n = len(r)
+    mean = sum(r) / n
+    var = sum((x - mean) ** 2 for x in r) / ((n - 1) if unbiased else n)
+    return [(x - mean) / (math.sqrt(var) + eps) for x in r]
+
+
+def _approx(t: torch.Tensor, ref: list[float], tol: float = 1e-5) -> None:
+    assert t.dtype == torch.float32
+    assert t.tolist() == pytest.approx(ref, abs=tol)
+
+
+def test_registered_with_configs():
+    reg = get_registry()
+    for name, cls in [("grpo", GRPOAdvantage), ("dr_grpo", DrGRPOAdvantage), ("rloo", RLOOAdvantage),
+                      ("pass_at_k", PassAtKAdvantage)]:
+        assert reg.get("advantage_estimator", name) is cls
+        assert cls.__doc__.strip() and "\n" not in cls.__doc__.strip()
+        for field in cls.Config.model_fields.values():
+            assert field.description
+
+
+def test_grpo_acceptance_43():
+    adv = GRPOAdvantage().compute(torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    _approx(adv, [0.866025, -0.866025, -0.866025, 0.866025], 1e-5)
+    assert GRPOAdvantage().compute(torch.tensor([0.7, 0.7, 0.7])).tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("std", ["unbiased", "biased"])
+def test_grpo_matches_reference(std):
+    rng = random.Random(3)
+    est = GRPOAdvantage(GRPOAdvantage.Config(eps=1e-3, std=std))
+    for _ in range(20):
+        r = [rng.uniform(-2, 3) for _ in range(rng.randint(2, 9))]
+        _approx(est.compute(torch.tensor(r)), _grpo_ref(r, 1e-3, std == "unbiased"))
+
+
+def test_grpo_degenerate_groups_are_zero_not_nan():
+    est = GRPOAdvantage()
+    assert est.compute(torch.tensor([5.0])).tolist() == [0.0]
+    # float rounding must not leak a tiny non-zero value through 0/eps
+    assert est.compute(torch.tensor([0.1, 0.1, 0.1])).tolist() == [0.0, 0.0, 0.0]
+    assert est.compute([1.0, 1.0]).tolist() == [0.0, 0.0]
+
+
+def test_dr_grpo_is_centered_only():
+    est = DrGRPOAdvantage()
+    _approx(est.compute(torch.tensor([1.0, 0.0, 0.0, 1.0])), [0.5, -0.5, -0.5, 0.5])
+    _approx(est.compute(torch.tensor([3.0, -1.0, 1.0]), torch.tensor([5, 9, 2])), [2.0, -2.0, 0.0])
+    assert est.compute(torch.tensor([2.0])).tolist() == [0.0]
+
+
+def test_rloo_acceptance_44_and_reference():
+    est = RLOOAdvantage()
+    _approx(est.compute(torch.tensor([1.0, 0.0])), [1.0, -1.0])
+    _approx(est.compute(torch.tensor([0.25])), [0.25])
+    rng = random.Random(5)
+    for _ in range(10):
+        r = [rng.uniform(-1, 1) for _ in range(rng.randint(2, 8))]
+        k = len(r)
+        _approx(est.compute(torch.tensor(r)), [x - (sum(r) - x) / (k - 1) for x in r])
+
+
+def _pass_at_k_ref(r: list[float], k: int, eps: float) -> list[float]:
+    """XTuner §8.2, written out independently."""
+    n = len(r)
+    c = sum(1 for x in r if x > 0)
+    rho = c / n if n < k else 1 - math.comb(n - c, k) / math.comb(n, k)
+    sigma = math.sqrt(rho * (1 - rho)) + eps
+    out = []
+    for x in r:
+        if x > 0:
+            out.append((1 - rho) / sigma)
+        else:
+            out.append((1 - rho - math.comb(n - c - 1, k - 1) / math.comb(n - 1, k - 1)) / sigma)
+    return out
+
+
+def test_pass_at_k_acceptance_44():
+    adv = PassAtKAdvantage(PassAtKAdvantage.Config(k=2)).compute(torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    assert adv[0].item() == pytest.approx(1.0, abs=1e-4)
+    assert adv[1:].tolist() == pytest.approx([-1 / 3] * 3, abs=1e-4)
+
+
+def test_pass_at_k_matches_reference_formula():
+    rng = random.Random(11)
+    for _ in range(30):
+        k = rng.randint(1, 4)
+        n = rng.randint(max(k, 2), 9)
+        r = [float(rng.random() < 0.4) for _ in range(n)]
+        if 0 < sum(r) < n:
+            est = PassAtKAdvantage(PassAtKAdvantage.Config(k=k, eps=1e-6))
+            _approx(est.compute(torch.tensor(r)), _pass_at_k_ref(r, k, 1e-6), 1e-4)
+
+
+def test_pass_at_k_edge_cases_never_explode():
+    est = PassAtKAdvantage(PassAtKAdvantage.Config(k=4))
+    assert est.compute(torch.tensor([0.0, 0.0, 0.0, 0.0])).tolist() == [0.0] * 4  # XTuner: -1/eps
+    assert est.compute(torch.tensor([1.0, 1.0, 1.0, 1.0])).tolist() == [0.0] * 4
+    assert est.compute(torch.tensor([1.0])).tolist() == [0.0]
+    # n < k: pass@1, which equals biased-std GRPO on the binarised rewards
+    r = [1.0, 0.0, 0.0]
+    _approx(est.compute(torch.tensor(r)), _grpo_ref(r, 1e-6, unbiased=False), 1e-4)
+    # rewards > 0 count as correct, whatever their size
+    _approx(est.compute(torch.tensor([0.3, -1.0, 0.0, 2.0])),
+            PassAtKAdvantage(PassAtKAdvantage.Config(k=4)).compute(torch.tensor([1.0, 0.0, 0.0, 1.0])).tolist())
+
+
+def test_bad_inputs_and_configs():
+    with pytest.raises(ValueError, match="empty"):
+        GRPOAdvantage().compute(torch.tensor([]))
+    with pytest.raises(ValueError, match="finite"):
+        GRPOAdvantage().compute(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValidationError):
+        GRPOAdvantage.Config(std="population")
+    with pytest.raises(ValidationError):
+        PassAtKAdvantage.Config(k=0)
+    with pytest.raises(ValidationError):
+        GRPOAdvantage.Config(epsilon=1.0)

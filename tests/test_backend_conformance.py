@@ -1,0 +1,69 @@
+"""The backend conformance kit, run against the embedded engine on CPU (llama, qwen2, qwen3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlcli.backends.embedded import EmbeddedBackend
+from rlcli.testing import backend_conformance as bc
+
+ARCHS = ["llama", "qwen2", "qwen3"]
+
+
+def make_backend(model_dir):
+    return EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=64), bc.default_context(model_dir))
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def dirs(request, tmp_path_factory):
+    return bc.make_tiny_model_dirs(tmp_path_factory.mktemp(request.param), arch=request.param)
+
+
+@pytest.mark.parametrize("name", [n for n in bc.ALL_CHECKS if n != "weight_update"])
+def test_check(dirs, name):
+    bc.ALL_CHECKS[name](make_backend, dirs[0])
+
+
+def test_weight_update(dirs):
+    bc.check_weight_update(make_backend, dirs[0], dirs[1])
+
+
+def test_run_all_runs_every_check(tmp_path):
+    a, b = bc.make_tiny_model_dirs(tmp_path, arch="llama", seed=11)
+    options = {"greedy_matches_reference": {"max_tokens": 8}}
+    ran = bc.run_all(make_backend, a, b, skip=["many_concurrent"], options=options)
+    assert ran == [n for n in bc.ALL_CHECKS if n != "many_concurrent"]
+    with pytest.raises(ValueError, match="no_such_check"):
+        bc.run_all(make_backend, a, b, skip=["no_such_check"])
+
+
+def test_kit_reports_a_broken_backend(tmp_path):
+    """The kit fails, naming the check, on a backend that renormalises logprobs after top-k."""
+    a, b = bc.make_tiny_model_dirs(tmp_path, arch="qwen2", seed=12)
+
+    class Renormalising(EmbeddedBackend):
+        async def generate(self, request):
+            out = await super().generate(request)
+            out.logprobs = [0.0 for _ in out.logprobs]  # as if renormalised over a single token
+            return out
+
+    def make_broken(model_dir):
+        return Renormalising(EmbeddedBackend.Config(max_batch_size=16), bc.default_context(model_dir))
+
+    with pytest.raises(AssertionError, match=r"\[logprobs_match_forward\]"):
+        bc.run_all(make_broken, a, b, skip=["greedy_matches_reference"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sleep_wake_releases_cuda_memory(tmp_path):
+    a, _ = bc.make_tiny_model_dirs(tmp_path, arch="qwen2", seed=13)
+
+    def make_cuda(model_dir):
+        ctx = bc.default_context(model_dir, device="cuda", dtype=torch.float32)
+        return EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=64), ctx)
+
+    bc.check_sleep_wake(make_cuda, a, min_release_fraction=0.9)
+    bc.check_greedy_matches_reference(make_cuda, a)
+    bc.check_logprobs_match_forward(make_cuda, a, atol=1e-3)

@@ -1,0 +1,461 @@
+"""The embedded continuous-batching engine: sampling, scheduling, control and plugin wiring."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest
+from rlcli.backends.embedded import (
+    SUPPORTED_MODEL_TYPES,
+    EmbeddedBackend,
+    LlamaFamilyModel,
+    counter_uniform,
+    filter_top_k_top_p,
+    seed_keys,
+)
+from rlcli.testing.backend_conformance import default_context, make_tiny_model_dirs, reference_logprobs
+from rlcli.types import SampleParams
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    return make_tiny_model_dirs(tmp_path_factory.mktemp("embedded"), arch="llama", seed=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(model_dirs):
+    return model_dirs[0]
+
+
+def make(model_dir, **config) -> EmbeddedBackend:
+    return EmbeddedBackend(EmbeddedBackend.Config(**config), default_context(model_dir))
+
+
+def req(prompt, seed=None, **params) -> GenerateRequest:
+    return GenerateRequest(list(prompt), SampleParams(**params), seed=seed)
+
+
+async def gather(backend, requests) -> list[GenerateOutput]:
+    return await asyncio.gather(*(backend.generate(r) for r in requests))
+
+
+def run_all(backend, requests) -> list[GenerateOutput]:
+    return asyncio.run(gather(backend, requests))
+
+
+def prompts(n, rng, lo=1, hi=10, vocab=53):
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ sampling
+def test_top_k_1_and_tiny_top_p_equal_greedy(model_dir):
+    be = make(model_dir, max_batch_size=64)
+    ps = prompts(6, random.Random(0))
+    greedy = run_all(be, [req(p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in ps])
+    kw = dict(max_tokens=12, ignore_eos=True)
+    top_k = run_all(be, [req(p, seed=i, temperature=1.3, top_k=1, **kw) for i, p in enumerate(ps)])
+    top_p = run_all(be, [req(p, seed=i, temperature=0.9, top_p=1e-6, **kw) for i, p in enumerate(ps)])
+    for g, k, p in zip(greedy, top_k, top_p):
+        assert k.token_ids == g.token_ids
+        assert p.token_ids == g.token_ids
+    # the logprob is under the temperature, not renormalised over the single kept token
+    for prompt, g, k in zip(ps, greedy, top_k):
+        want = reference_logprobs(model_dir, prompt, k.token_ids, 1.3)
+        want = want.gather(1, torch.tensor(k.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(k.logprobs), want, atol=1e-4)
+        assert max(k.logprobs) < 0.0
+    be.shutdown()
+
+
+def test_first_token_distribution_matches_softmax(model_dir):
+    """2000 seeded draws of the first token follow softmax(logits / T), restricted by top-k/top-p."""
+    be = make(model_dir, max_batch_size=512)
+    prompt = [5, 17, 23, 9]
+    n = 2000
+    for temp, top_k, top_p in ((1.0, 0, 1.0), (0.7, 4, 1.0), (1.0, 0, 0.6)):
+        kw = dict(temperature=temp, top_k=top_k, top_p=top_p, max_tokens=1)
+        outs = run_all(be, [req(prompt, seed=s, **kw) for s in range(n)])
+        counts = Counter(o.token_ids[0] for o in outs)
+        lp = reference_logprobs(model_dir, prompt, [0], temp)[0]
+        probs = lp.exp()
+        order = probs.argsort(descending=True)
+        keep = torch.ones_like(probs, dtype=torch.bool)
+        if top_k:
+            keep[:] = False
+            keep[order[:top_k]] = True
+        if top_p < 1.0:
+            cum = torch.cumsum(probs[order], 0)
+            before = torch.cat([torch.zeros(1), cum[:-1]])
+            keep[:] = False
+            keep[order[before < top_p]] = True
+        target = torch.where(keep, probs, torch.zeros_like(probs))
+        target /= target.sum()
+        assert set(counts) <= set(torch.nonzero(keep).flatten().tolist()), "sampled a token outside the kept set"
+        empirical = torch.zeros_like(probs)
+        for t, c in counts.items():
+            empirical[t] = c / n
+        tv = 0.5 * (empirical - target).abs().sum().item()
+        assert tv < 0.06, f"T={temp} top_k={top_k} top_p={top_p}: total variation {tv:.3f}"
+        # logprobs are those of the unfiltered tempered distribution
+        for o in outs[:20]:
+            assert o.logprobs[0] == pytest.approx(lp[o.token_ids[0]].item(), abs=1e-4)
+    be.shutdown()
+
+
+def test_filter_top_k_top_p_keeps_ties_and_prefix():
+    scores = torch.tensor([[3.0, 1.0, 3.0, 0.5, -1.0], [0.0, 0.0, 0.0, 0.0, 10.0]])
+    out = filter_top_k_top_p(scores, torch.tensor([1, 0]), torch.tensor([1.0, 1.0]), use_top_p=False, max_top_k=1)
+    assert torch.isfinite(out[0]).tolist() == [True, False, True, False, False]  # tie at the cut is kept
+    assert torch.isfinite(out[1]).all()  # top_k=0 is off
+    out = filter_top_k_top_p(scores, torch.tensor([0, 0]), torch.tensor([0.5, 0.9]), use_top_p=True, max_top_k=0)
+    assert torch.isfinite(out[0]).tolist() == [True, False, True, False, False]
+    assert torch.isfinite(out[1]).tolist() == [False, False, False, False, True]
+
+
+def test_counter_uniform_is_a_pure_function_of_seed_and_position():
+    k1, k2 = zip(*(seed_keys(s) for s in range(4096)))
+    k1, k2 = torch.tensor(k1), torch.tensor(k2)
+    pos = torch.arange(4096) % 37
+    u = counter_uniform(k1, k2, pos)
+    assert u.dtype == torch.float32 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.02 and abs(float(u.var()) - 1 / 12) < 0.01
+    # elementwise: computing a subset (another "batch") gives the same numbers
+    assert torch.equal(counter_uniform(k1[100:110], k2[100:110], pos[100:110]), u[100:110])
+    # consecutive positions of one seed are decorrelated
+    one = counter_uniform(k1[:1].expand(4096), k2[:1].expand(4096), torch.arange(4096))
+    assert abs(float(torch.corrcoef(torch.stack([one[:-1], one[1:]]))[0, 1])) < 0.05
+    assert len(set(one.tolist())) > 4000
+
+
+# ------------------------------------------------------------------------------------------ scheduling
+def test_determinism_independent_of_batch_composition(model_dir):
+    be = make(model_dir, max_batch_size=64)
+    target = req([7, 8, 9, 10, 11], seed=99, temperature=1.0, max_tokens=20, ignore_eos=True)
+    alone = run_all(be, [target])[0]
+    rng = random.Random(1)
+
+    async def mixed():
+        others = [
+            be.generate(
+                req(p, temperature=rng.choice([0.0, 0.5, 1.0]), top_k=rng.choice([0, 5]), max_tokens=rng.randint(1, 30))
+            )
+            for p in prompts(50, rng, 1, 20)
+        ]
+        tasks = [asyncio.ensure_future(o) for o in others]
+        await asyncio.sleep(0.01)  # let the others start decoding: the target is admitted later
+        late = await be.generate(target)
+        await asyncio.gather(*tasks)
+        return late
+
+    late = asyncio.run(mixed())
+    assert late.token_ids == alone.token_ids
+    assert late.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
+    be.shutdown()
+
+
+def test_prefix_sharing_matches_no_sharing(model_dir):
+    ps = prompts(6, random.Random(2), 3, 12)
+    requests = [req(p, seed=100 * i + j, temperature=1.0, max_tokens=10) for i, p in enumerate(ps) for j in range(4)]
+    requests += [req(p, temperature=0.0, max_tokens=10) for p in ps for _ in range(2)]
+    results = {}
+    for sharing in (True, False):
+        be = make(model_dir, max_batch_size=64, prefix_sharing=sharing)
+        be.stats()
+        results[sharing] = run_all(be, requests)
+        stats = be.stats()
+        unique_tokens = sum(len(p) for p in ps)
+        if sharing:
+            assert stats["prefill_tokens"] == unique_tokens
+            assert stats["shared_prefill_tokens"] == 5 * unique_tokens
+        else:
+            assert stats["prefill_tokens"] == 6 * unique_tokens and stats["shared_prefill_tokens"] == 0
+        be.shutdown()
+    for a, b in zip(results[True], results[False]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_slot_compaction_with_staggered_finishing(model_dir):
+    """With 8 rows and 60 requests of 1..40 tokens, rows finish and are refilled constantly;
+    every request must equal its result when served alone."""
+    rng = random.Random(3)
+    requests = [
+        req(p, seed=i, temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 40), ignore_eos=bool(i % 2))
+        for i, p in enumerate(prompts(60, rng, 1, 12))
+    ]
+    be = make(model_dir, max_batch_size=8, max_prefill_tokens=24)
+    batched = run_all(be, requests)
+    assert be.engine.num_active == 0 and be.engine.num_waiting == 0
+    be.shutdown()
+    serial_be = make(model_dir, max_batch_size=1)
+    serial = [run_all(serial_be, [r])[0] for r in requests]
+    serial_be.shutdown()
+    lengths = {len(o.token_ids) for o in batched}
+    assert len(lengths) > 10  # staggered
+    for r, a, b in zip(requests, batched, serial):
+        assert a.token_ids == b.token_ids, f"request {r.prompt_ids} differs batched vs alone"
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+        assert a.finish_reason == b.finish_reason
+
+
+def test_shape_stable_decode_gives_identical_results(model_dir):
+    rng = random.Random(4)
+    requests = [req(p, seed=i, temperature=0.8, max_tokens=rng.randint(1, 25)) for i, p in enumerate(prompts(37, rng))]
+    outs = []
+    for stable in (False, True):
+        be = make(model_dir, max_batch_size=64)
+        be.engine.shape_stable_decode = stable
+        outs.append(run_all(be, requests))
+        be.shutdown()
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_decode_shape_buckets(model_dir):
+    eng = make(model_dir, max_batch_size=100, max_model_len=300).engine
+    assert eng.cuda_graphs is None  # CPU: no graphs, exact shapes
+    assert eng._decode_shape(33, 129) == (33, 129)
+    eng.shape_stable_decode = True
+    assert eng._decode_shape(3, 5) == (4, 128)
+    assert eng._decode_shape(32, 128) == (32, 128)
+    assert eng._decode_shape(33, 129) == (64, 256)
+    assert eng._decode_shape(97, 290) == (100, 300)  # capped by max_batch_size / max_model_len
+
+
+def test_max_model_len_limits(model_dir):
+    be = make(model_dir, max_model_len=16)
+    assert be.max_model_len == 16
+    too_long, exact_fit, capped, ok = run_all(
+        be,
+        [
+            req(list(range(4, 20)), max_tokens=4),  # 16 prompt tokens: no room
+            req(list(range(4, 19)), max_tokens=4, ignore_eos=True),  # 15: one token fits
+            req(list(range(4, 14)), max_tokens=50, ignore_eos=True),  # 10 + 50 > 16: capped at 6
+            req([5, 6], max_tokens=3, ignore_eos=True),
+        ],
+    )
+    assert too_long.finish_reason == "error" and "max_model_len" in too_long.error and not too_long.token_ids
+    assert exact_fit.finish_reason == "length" and len(exact_fit.token_ids) == 1
+    assert capped.finish_reason == "length" and len(capped.token_ids) == 6
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
+    be.shutdown()
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make(model_dir, max_model_len=10_000)
+    assert make(model_dir, max_batch_size=2).max_model_len == 512  # min(max_position_embeddings, 4096)
+
+
+def test_error_requests_and_failed_steps_do_not_kill_the_engine(model_dir):
+    be = make(model_dir, max_batch_size=16)
+    good = [req([5, 6, 7], temperature=0.0, max_tokens=8), req([9, 10], temperature=0.0, max_tokens=8)]
+    bad = [req([5, 999, 7], max_tokens=4), req([], max_tokens=4), req([5, -1], max_tokens=4)]
+    alone = run_all(be, good)
+    outs = run_all(be, good + bad)
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in alone]
+    for o in outs[2:]:
+        assert o.finish_reason == "error" and o.error and not o.token_ids
+    assert "999" in outs[2].error and "empty" in outs[3].error
+
+    # a step that raises fails the requests in flight with "error", then the engine serves again
+    decode = be.engine.model.decode
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return decode(*args, **kwargs)
+
+    be.engine.model.decode = flaky
+    failed = run_all(be, [req([5, 6, 7], max_tokens=8, ignore_eos=True), req([9, 10], max_tokens=8, ignore_eos=True)])
+    assert all(o.finish_reason == "error" and "injected failure" in o.error for o in failed)
+    assert [o.token_ids for o in run_all(be, good)] == [o.token_ids for o in alone]
+    be.shutdown()
+    after = run_all(be, good)
+    assert all(o.finish_reason == "error" and "shut down" in o.error for o in after)
+
+
+def test_stats_count_and_reset(model_dir):
+    be = make(model_dir, max_batch_size=32)
+    be.stats()
+    ps = [[5, 6, 7], [8, 9]]
+    outs = run_all(be, [req(p, max_tokens=5, ignore_eos=True) for p in ps for _ in range(3)])
+    s = be.stats()
+    assert s["generated_tokens"] == sum(len(o.token_ids) for o in outs) == 30
+    assert s["prefill_tokens"] == 5 and s["shared_prefill_tokens"] == 10
+    assert s["steps"] >= 4 and s["busy_s"] > 0
+    assert s["running"] == 0 and s["waiting"] == 0
+    again = be.stats()
+    assert again["generated_tokens"] == 0 and again["steps"] == 0 and again["busy_s"] == 0
+    be.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ control
+def test_pause_with_many_requests_in_flight(model_dir):
+    be = make(model_dir, max_batch_size=64)
+    rng = random.Random(5)
+    requests = [req(p, temperature=1.0, max_tokens=400, ignore_eos=True) for p in prompts(150, rng, 2, 8)]
+
+    async def main():
+        tasks = [asyncio.ensure_future(be.generate(r)) for r in requests]
+        while be.engine.num_active == 0 or be.stats()["generated_tokens"] == 0:
+            await asyncio.sleep(0.005)
+        be.pause()
+        outs = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+        late = await be.generate(requests[0])
+        be.resume()
+        fresh = await be.generate(req([5, 6], max_tokens=3, ignore_eos=True))
+        return outs, late, fresh
+
+    outs, late, fresh = asyncio.run(main())
+    assert all(o.finish_reason == "abort" for o in outs)
+    assert sum(1 for o in outs if o.token_ids) >= 1
+    assert sum(1 for o in outs if not o.token_ids) >= 1  # some never got a row (64 rows, 150 requests)
+    for o in outs:
+        assert len(o.token_ids) == len(o.logprobs) == len(o.versions) < 400
+    assert late.finish_reason == "abort" and not late.token_ids
+    assert fresh.finish_reason == "length" and len(fresh.token_ids) == 3
+    assert be.engine.num_active == 0
+    be.shutdown()
+
+
+def test_cancelled_request_releases_its_row(model_dir):
+    be = make(model_dir, max_batch_size=4)
+
+    async def main():
+        long = asyncio.ensure_future(be.generate(req([5, 6], max_tokens=400, ignore_eos=True)))
+        short = asyncio.ensure_future(be.generate(req([7, 8], max_tokens=20, ignore_eos=True)))
+        while be.engine.num_active < 2:
+            await asyncio.sleep(0.002)
+        long.cancel()
+        out = await short
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        for _ in range(200):
+            if not be.engine.has_work():
+                break
+            await asyncio.sleep(0.005)
+        return out
+
+    out = asyncio.run(main())
+    assert len(out.token_ids) == 20
+    assert be.engine.num_active == 0 and not be.engine.has_work()
+    be.shutdown()
+
+
+def test_update_weights_validation_and_tied_lm_head(model_dirs):
+    a, b = model_dirs
+    be = make(a, max_batch_size=4)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.nope.*also\.unknown"):
+        be.update_weights([("model.layers.0.nope", torch.zeros(2)), ("also.unknown", torch.zeros(2))], 5)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        be.update_weights([("model.norm.weight", torch.zeros(3))], 5)
+    assert be.version == 0
+    embed = be.engine.model.embed.weight
+    new = torch.randn_like(embed).to(torch.bfloat16)  # cast to the engine dtype on copy
+    be.update_weights([("lm_head.weight", new)], 3)  # tied: the shared embedding changes
+    assert torch.equal(embed, new.float()) and be.engine.model.lm_head.weight is embed
+    assert be.version == 3
+    out = run_all(be, [req([5, 6], max_tokens=4, ignore_eos=True)])[0]
+    assert out.versions == [3, 3, 3, 3]
+    be.shutdown()
+
+
+def test_sleep_holds_requests_until_wake_up(model_dir):
+    be = make(model_dir, max_batch_size=4)
+    want = run_all(be, [req([5, 6, 7], temperature=0.0, max_tokens=6)])[0]
+
+    async def main():
+        be.sleep(2)
+        assert not be.engine.cache.allocated
+        task = asyncio.ensure_future(be.generate(req([5, 6, 7], temperature=0.0, max_tokens=6)))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        be.wake_up()
+        return await asyncio.wait_for(task, 10)
+
+    got = asyncio.run(main())
+    assert got.token_ids == want.token_ids
+    with pytest.raises(ValueError):
+        be.sleep(3)
+    be.shutdown()
+
+
+def test_kv_cache_is_always_finite(model_dir):
+    # masked attention still multiplies unwritten positions by 0, so they must never hold NaN
+    be = make(model_dir, max_batch_size=8)
+    cache = be.engine.cache
+    assert all(torch.count_nonzero(t) == 0 for t in cache.k + cache.v)
+    be.sleep(1)
+    assert not cache.allocated
+    be.wake_up()
+    assert all(torch.count_nonzero(t) == 0 for t in cache.k + cache.v)
+    outs = run_all(be, [req(list(range(4, 4 + n)), seed=n, max_tokens=3 * n, ignore_eos=True) for n in (1, 5, 9, 13)])
+    assert all(len(o.token_ids) == len(o.logprobs) and all(lp > -1e4 for lp in o.logprobs) for o in outs)
+    be.shutdown()
+
+
+def test_bfloat16_kv_cache_runs(model_dir):
+    be = make(model_dir, max_batch_size=8, kv_cache_dtype="bfloat16")
+    assert be.engine.cache.dtype == torch.bfloat16
+    outs = run_all(be, [req([5, 6, 7], seed=s, max_tokens=10, ignore_eos=True) for s in range(4)])
+    assert all(len(o.token_ids) == 10 and all(lp <= 0 for lp in o.logprobs) for o in outs)
+    be.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ models
+def test_unsupported_model_type_is_a_clear_error():
+    fake = SimpleNamespace(config=SimpleNamespace(model_type="gpt2"))
+    with pytest.raises(ValueError) as info:
+        LlamaFamilyModel(fake)
+    for name in SUPPORTED_MODEL_TYPES:
+        assert name in str(info.value)
+    assert "gpt2" in str(info.value)
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM, GenerationConfig, MistralConfig
+
+    cfg = MistralConfig(
+        vocab_size=53, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, sliding_window=6, eos_token_id=1, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in ref.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 3.0 / p.shape[1] ** 0.5)
+    ref.save_pretrained(tmp_path)
+    ref.generation_config = GenerationConfig()
+    ctx = BackendContext(str(tmp_path), torch.device("cpu"), torch.float32, eos_token_ids=[1], pad_token_id=0)
+    be = EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=4), ctx)
+    assert [layer.window for layer in be.engine.model.layers] == [6, 6]
+    prompt = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41]  # longer than the window
+    out = run_all(be, [req(prompt, temperature=0.0, max_tokens=12, ignore_eos=True)])[0]
+    ids = torch.tensor([prompt])
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12, pad_token_id=0)
+    assert out.token_ids == want[0, len(prompt) :].tolist()
+    be.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ component
+def test_config_fields_are_documented_and_strict():
+    for name, f in EmbeddedBackend.Config.model_fields.items():
+        assert f.description, f"Config.{name} has no description"
+    with pytest.raises(Exception):
+        EmbeddedBackend.Config(max_batch_sizes=3)
+    assert EmbeddedBackend.Config().max_batch_size == 256
+
+
+def test_registered_through_the_plugin_registry():
+    from rlcli.plugins import get_registry, registry_with
+
+    assert get_registry().get("inference_backend", "embedded") is EmbeddedBackend
+    assert registry_with().get("inference_backend", "embedded") is EmbeddedBackend

@@ -1,0 +1,329 @@
+"""TrainWorker: FSDP2 training steps, NaN guard, logprobs, weight export, LR schedules, 2 ranks."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlcli.algo.loss import GSPOPolicyLoss, VanillaPolicyLoss
+from rlcli.config import ModelConfig, TrainWorkerConfig
+from rlcli.models import tiny_model_dir
+from rlcli.tokenizer import load_tokenizer
+from rlcli.train.data import TrainSequence
+from rlcli.train.lr import LRSchedule, build_scheduler
+from rlcli.train.worker import TrainWorker
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("tied") / "m", arch="qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def untied_dir(tmp_path_factory):
+    return tiny_model_dir(tmp_path_factory.mktemp("untied") / "m", arch="llama", seed=1, tie_word_embeddings=False)
+
+
+def make_worker(model_dir, loss=None, total_steps=10, **cfg) -> TrainWorker:
+    cfg.setdefault("optimizer", {"lr": 1e-2})
+    return TrainWorker(model_dir, ModelConfig(), TrainWorkerConfig(**cfg), loss or VanillaPolicyLoss(),
+                       device="cpu", seed=0, total_steps=total_steps)
+
+
+def make_batch(n=64, seed=0, target=7, vocab=53) -> list[TrainSequence]:
+    """Prompts of 3-5 tokens, 1-3 response tokens; advantage +1 when the first response token is ``target``."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        first = target if i % 2 == 0 else rng.randrange(10, vocab)
+        resp = [first] + [rng.randrange(4, vocab) for _ in range(rng.randint(0, 2))]
+        out.append(TrainSequence([rng.randrange(4, vocab) for _ in range(rng.randint(3, 5))], resp, [1] * len(resp),
+                                 [-3.5] * len(resp), 1.0 if first == target else -1.0, 1.0, i))
+    return out
+
+
+def state(worker) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in worker.full_state_dict(dtype=torch.float32).items()}
+
+
+def assert_same_update(sa, sb):
+    """Equal up to float noise: Adam's first step is ~lr*sign(g), so near-zero gradients that differ
+    in the 7th digit move a weight by up to ~1e-5 (lr 1e-2); a real bug moves it by ~lr."""
+    assert set(sa) == set(sb)
+    for k in sa:
+        assert torch.allclose(sa[k], sb[k], atol=1e-4, rtol=0), k
+
+
+EXPECTED_KEYS = {"train/loss", "train/grad_norm", "train/lr", "train/entropy", "train/clipfrac", "train/ratio_max",
+                 "train/ratio_min", "train/kl_k3", "train/tokens", "train/skipped_steps",
+                 "train/rollout_logprob_diff"}
+
+
+# --------------------------------------------------------------------------- training
+def test_train_step_raises_logprob_of_rewarded_tokens(model_dir):
+    w = make_worker(model_dir)
+    seqs = make_batch()
+    pos = [i for i, s in enumerate(seqs) if s.advantage > 0]
+    neg = [i for i, s in enumerate(seqs) if s.advantage < 0]
+    before = w.compute_logprobs(seqs)
+    m = w.train_step(seqs)
+    assert EXPECTED_KEYS <= set(m)
+    n_tokens = sum(len(s.response_ids) for s in seqs)
+    assert m["train/tokens"] == n_tokens and m["train/skipped_steps"] == 0
+    # optimizer_steps=1: old logprobs are the current ones, so ratio == 1, kl == 0, loss == -mean(A)
+    assert m["train/ratio_max"] == m["train/ratio_min"] == 1.0
+    assert m["train/kl_k3"] == 0.0 and m["train/clipfrac"] == 0.0
+    mean_adv = sum(s.advantage * len(s.response_ids) for s in seqs) / n_tokens
+    assert m["train/loss"] == pytest.approx(-mean_adv, abs=1e-6)
+    assert m["train/lr"] == pytest.approx(1e-2)
+    assert 0 < m["train/grad_norm"] < 1e3
+    assert 0 < m["train/entropy"] <= math.log(53) + 1e-4
+    flat_before = [lp for s in before for lp in s]
+    assert m["train/rollout_logprob_diff"] == pytest.approx(sum(abs(x + 3.5) for x in flat_before) / n_tokens, abs=1e-4)
+    for _ in range(4):
+        w.train_step(seqs)
+    after = w.compute_logprobs(seqs)
+    assert all(after[i][0] > before[i][0] for i in pos)
+    assert sum(after[i][0] - before[i][0] for i in neg) < 0
+
+
+def test_compute_logprobs_match_plain_hf_forward(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    w = make_worker(model_dir, pack_max_length=16, logprob_chunk_size=3)
+    seqs = make_batch(n=10, seed=3)
+    seqs[1].temperature, seqs[2].temperature, seqs[3].response_mask[0] = 0.6, 0.0, 0
+    got = w.compute_logprobs(seqs)
+    plain = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        for s, lps in zip(seqs, got):
+            logits = plain(input_ids=torch.tensor([s.prompt_ids + s.response_ids[:-1]])).logits[0]
+            lp = F.log_softmax(logits / s.effective_temperature, -1)
+            p = len(s.prompt_ids)
+            ref = [lp[p - 1 + j, r].item() for j, r in enumerate(s.response_ids)]
+            assert lps == pytest.approx(ref, abs=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_layouts_train_identically(model_dir, layout):
+    seqs = make_batch(n=12, seed=5)
+    ref = make_worker(model_dir, pack_max_length=40, pack_layout="padded")
+    w = make_worker(model_dir, pack_max_length=40, pack_layout=layout)
+    a, b = ref.train_step(seqs), w.train_step(seqs)
+    assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+    assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    assert_same_update(state(ref), state(w))
+
+
+def test_multiple_optimizer_steps(model_dir):
+    w = make_worker(model_dir, optimizer_steps=3, lr_scheduler={"name": "linear"}, total_steps=2)
+    seqs = make_batch(n=30, seed=1)
+    m = w.train_step(seqs)
+    assert w.optimizer_steps_done == 3
+    assert m["train/skipped_steps"] == 0
+    # later mini-batches see a policy that moved: the ratio departs from 1 and the KL is positive
+    assert m["train/ratio_max"] > 1.0 or m["train/ratio_min"] < 1.0
+    assert m["train/kl_k3"] > 0
+    assert m["train/lr"] == pytest.approx(1e-2 * (1 - 2 / 6))  # LR of the third update out of 6
+
+
+def test_gspo_loss_trains(model_dir):
+    w = make_worker(model_dir, loss=GSPOPolicyLoss(), optimizer_steps=2)
+    m = w.train_step(make_batch(n=20, seed=2))
+    assert m["train/skipped_steps"] == 0 and math.isfinite(m["train/loss"])
+
+
+def test_gradient_checkpointing_gives_same_update(model_dir):
+    seqs = make_batch(n=16, seed=4)
+    a, b = make_worker(model_dir), make_worker(model_dir, gradient_checkpointing=True)
+    ma, mb = a.train_step(seqs), b.train_step(seqs)
+    assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-5)
+    assert_same_update(state(a), state(b))
+
+
+def test_nan_advantage_skips_the_step(model_dir):
+    w = make_worker(model_dir)
+    seqs = make_batch(n=8)
+    seqs[3].advantage = float("nan")
+    before = state(w)
+    m = w.train_step(seqs)
+    assert m["train/skipped_steps"] == 1
+    assert math.isnan(m["train/loss"])
+    after = state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not w.optimizer.state  # AdamW never stepped
+    assert all(p.grad is None for p in w.model.parameters())
+    assert w.optimizer_steps_done == 1  # the schedule still advances
+    seqs[3].advantage = 1.0
+    assert w.train_step(seqs)["train/skipped_steps"] == 0
+
+
+def test_no_valid_tokens_is_a_no_op(model_dir):
+    w = make_worker(model_dir)
+    seqs = make_batch(n=4)
+    for s in seqs:
+        s.response_mask = [0] * len(s.response_ids)
+    before = state(w)
+    m = w.train_step(seqs)
+    assert m["train/tokens"] == 0 and m["train/loss"] == 0.0 and m["train/skipped_steps"] == 0
+    after = state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_too_long_sequence_is_rejected(model_dir):
+    w = make_worker(model_dir, pack_max_length=4)
+    with pytest.raises(ValueError, match="pack_max_length=4"):
+        w.train_step([TrainSequence([5, 6, 7, 8], [9, 10], [1, 1], None, 1.0)])
+
+
+# ---------------------------------------------------------------------------- weights
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_iter_weights_names_values_and_buckets(model_dir, untied_dir, which):
+    from transformers import AutoModelForCausalLM
+
+    d = model_dir if which == "tied" else untied_dir
+    plain = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).state_dict()
+    w = make_worker(d)
+    limit = 40_000
+    buckets = list(w.iter_weights(bucket_bytes=limit))
+    names = [n for b in buckets for n, _ in b]
+    assert names == list(plain)  # same names, same order, tied lm_head included
+    assert len(buckets) > 2
+    got = dict(t for b in buckets for t in b)
+    for n, t in plain.items():
+        assert torch.equal(got[n], t), n
+    seen: set[int] = set()
+    for b in buckets:
+        size = 0
+        for _, t in b:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                size += t.numel() * t.element_size()
+        assert size <= limit or len(b) == 1
+    if which == "tied":
+        assert got["lm_head.weight"].data_ptr() == got["model.embed_tokens.weight"].data_ptr()
+    # never aliases the live weights: training afterwards does not change what was yielded
+    snapshot = {n: t.clone() for n, t in got.items()}
+    w.train_step(make_batch(n=8))
+    assert all(torch.equal(snapshot[n], got[n]) for n in got)
+    bf16 = [t for b in w.iter_weights(dtype=torch.bfloat16) for _, t in b]
+    assert all(t.dtype == torch.bfloat16 for t in bf16 if t.is_floating_point())
+
+
+def test_save_hf_round_trip(model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    w = make_worker(model_dir)
+    seqs = make_batch(n=12)
+    w.train_step(seqs)
+    out = w.save_hf(tmp_path / "hf", load_tokenizer(str(model_dir)))
+    assert out == tmp_path / "hf" and not (tmp_path / "hf.tmp").exists()
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    ids = torch.tensor([seqs[0].prompt_ids + seqs[0].response_ids])
+    sd = w.full_state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    plain.load_state_dict(sd)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, plain(input_ids=ids).logits)
+    got = w.compute_logprobs(seqs[:3])
+    with torch.no_grad():
+        for s, lps in zip(seqs[:3], got):
+            lp = F.log_softmax(reloaded(input_ids=torch.tensor([s.prompt_ids + s.response_ids[:-1]])).logits[0], -1)
+            p = len(s.prompt_ids)
+            assert lps == pytest.approx([lp[p - 1 + j, r].item() for j, r in enumerate(s.response_ids)], abs=1e-5)
+    tok = load_tokenizer(str(out))
+    assert tok.decode(tok.encode("1+2=3", add_special_tokens=False)) == "1+2=3"
+    w.save_hf(tmp_path / "hf")  # overwriting an export works
+    assert AutoModelForCausalLM.from_pretrained(str(out)) is not None
+
+
+# ----------------------------------------------------------------------- LR schedules
+def test_lr_schedules():
+    const = LRSchedule("constant", 10, warmup_steps=4)
+    assert [const(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    lin = LRSchedule("linear", 10, warmup_steps=0, min_lr_ratio=0.1)
+    assert [lin(s) for s in (0, 5, 10, 50)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
+    cos = LRSchedule("cosine", 12, warmup_steps=2, min_lr_ratio=0.0)
+    assert [cos(s) for s in (0, 1)] == [0.5, 1.0]
+    assert cos(2) == pytest.approx(1.0) and cos(7) == pytest.approx(0.5) and cos(12) == pytest.approx(0.0)
+    assert all(cos(s) >= cos(s + 1) for s in range(2, 12))
+    with pytest.raises(ValueError, match="unknown lr schedule"):
+        LRSchedule("step", 10)
+
+
+def test_scheduler_warmup_ratio_and_state():
+    from rlcli.config import LRSchedulerConfig
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([p], lr=2.0)
+    sched = build_scheduler(opt, LRSchedulerConfig(name="cosine", warmup_ratio=0.25, min_lr_ratio=0.5), 8)
+    lrs = []
+    for _ in range(8):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs[:2] == pytest.approx([1.0, 2.0])  # warmup of round(0.25 * 8) = 2 steps
+    assert lrs[-1] == pytest.approx(2.0 * (0.5 + 0.5 * 0.5 * (1 + math.cos(math.pi * 5 / 6))))
+    restored = build_scheduler(torch.optim.AdamW([p], lr=2.0), LRSchedulerConfig(name="linear"), 3)
+    restored.load_state_dict(sched.state_dict())
+    assert restored.lr_lambdas[0].name == "cosine" and restored.last_epoch == 8
+
+
+# ----------------------------------------------------------------------------- 2 ranks
+_TWO_RANK_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from test_train_worker import make_batch, make_worker
+    from rlcli.dist import destroy, rank
+    w = make_worker({model_dir!r}, pack_max_length=24)
+    seqs = make_batch(n=30, seed=9)
+    mine = seqs[:21] if rank() == 0 else seqs[21:]  # uneven on purpose: rank 1 runs empty micro-batches
+    metrics = [w.train_step(mine) for _ in range(2)]
+    lps = w.compute_logprobs(mine)
+    sd = w.full_state_dict()
+    # several optimizer steps per batch: an old-logprob pass and per-mini-batch collectives
+    multi = make_worker({model_dir!r}, pack_max_length=24, optimizer_steps=2).train_step(mine)
+    if rank() == 0:
+        torch.save({{"metrics": metrics, "state": sd}}, {out!r})
+    torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
+    destroy()
+""")
+
+
+def test_two_ranks_match_one_process(model_dir, tmp_path):
+    out = str(tmp_path / "rank0.pt")
+    script = tmp_path / "two_ranks.py"
+    script.write_text(_TWO_RANK_SCRIPT.format(tests=os.path.dirname(__file__), model_dir=str(model_dir), out=out))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = torch.load(out, weights_only=False)
+
+    w = make_worker(model_dir, pack_max_length=24)
+    seqs = make_batch(n=30, seed=9)
+    ref = [w.train_step(seqs) for _ in range(2)]
+    for a, b in zip(got["metrics"], ref):
+        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/kl_k3", "train/tokens", "train/ratio_max",
+                    "train/rollout_logprob_diff"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    ref_sd = w.full_state_dict()
+    assert set(got["state"]) == set(ref_sd)
+    assert all(torch.allclose(got["state"][k], ref_sd[k], atol=1e-4, rtol=0) for k in ref_sd)
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
+    ref_lps = w.compute_logprobs(seqs)
+    assert len(r0["lps"]) == 21 and len(r1["lps"]) == 9
+    for a, b in zip(r0["lps"] + r1["lps"], ref_lps):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert r0["multi"] == {k: pytest.approx(v) for k, v in r1["multi"].items() if k != "train/step_time_s"} | {
+        "train/step_time_s": r0["multi"]["train/step_time_s"]}
+    assert r0["multi"]["train/skipped_steps"] == 0 and r0["multi"]["train/tokens"] == ref[0]["train/tokens"]
