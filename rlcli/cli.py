@@ -58,7 +58,8 @@ def cli() -> None:
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Where outputs go (default: trainer.work_dir).")
 @click.option("--quiet", is_flag=True, help="No progress bars or per-step lines.")
-def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: bool) -> None:
+@click.option("--overwrite", is_flag=True, help="Delete an earlier run's outputs in the work dir first.")
+def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: bool, overwrite: bool) -> None:
     """Train with RECIPE, applying KEY=VALUE / ~KEY overrides.
 
     \b
@@ -72,14 +73,20 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
         click.secho("trainer.mode 'disaggregated' is not available yet in this version", fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     from rlcli.runner.colocate import ColocateRunner
+    from rlcli.runner.common import WorkDirInUse
 
-    runner = ColocateRunner(rec, work_dir, quiet=quiet)
+    try:
+        runner = ColocateRunner(rec, work_dir, quiet=quiet, overwrite=overwrite)
+    except WorkDirInUse as exc:
+        click.secho(str(exc), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
     try:
         final = runner.fit()
     finally:
         runner.close()
     if not quiet:
-        shown = {k: round(v, 4) for k, v in final.items() if k.startswith("eval/") or k == "reward/mean"}
+        shown = {k: round(v, 4) for k, v in final.items()
+                 if (k.startswith("eval/") and "judger/" not in k) or k == "reward/mean"}
         click.echo(f"done: {runner.work_dir} {json.dumps(shown)}")
 
 

@@ -200,8 +200,9 @@ class Recipe(Strict):
     tasks: list[TaskConfig]
     eval: EvalConfig | None = None
 
-    # set by load_recipe
+    # set by load_recipe / validate_recipe
     _source: Path | None = PrivateAttr(None)
+    _registry: Any = PrivateAttr(None)
 
     def components(self) -> list[tuple[str, str, ComponentSpec]]:
         """Every component section as (dotted path, kind, spec)."""
@@ -440,6 +441,17 @@ def _check_rules(raw: dict, issues: list[Issue]) -> None:
             issues.append(Issue("model", "set exactly one of model.path and model.from_scratch"))
         if m.get("from_scratch") is not None and not m.get("tokenizer"):
             issues.append(Issue("model.tokenizer", "required with model.from_scratch (e.g. 'builtin:arith')"))
+        if isinstance(m.get("path"), str) and not (Path(m["path"]).expanduser() / "config.json").is_file():
+            issues.append(Issue("model.path", f"not a Hugging Face model directory (no config.json): {m['path']}"))
+        tok = m.get("tokenizer")
+        if isinstance(tok, str) and tok.startswith("builtin:"):
+            from rlcli.tokenizer import BUILTIN_TOKENIZERS
+
+            if tok[len("builtin:"):] not in BUILTIN_TOKENIZERS:
+                issues.append(Issue("model.tokenizer", f"unknown built-in tokenizer {tok!r}; available: "
+                                    + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_TOKENIZERS))))
+        elif isinstance(tok, str) and not Path(tok).expanduser().is_dir():
+            issues.append(Issue("model.tokenizer", f"tokenizer directory not found: {tok}"))
 
 
 def _check_tasks(tasks: list, where: str, issues: list[Issue]) -> None:
@@ -499,6 +511,9 @@ def validate_recipe(raw: Any, registry: Registry | None = None, source: str | No
     if uniq:
         raise RecipeError(uniq, source)
     assert recipe is not None
+    recipe._registry = registry
+    if source is not None:
+        recipe._source = Path(source)
     return recipe
 
 

@@ -516,6 +516,15 @@ class JudgePool:
             return
         if self._closed:
             raise RuntimeError("JudgePool is closed")
+        if self.executor == "inline" and not inspect.iscoroutinefunction(self.judger.judge):
+            start = time.perf_counter()  # fast path: no task, no await (cheap rule-based judgers)
+            try:
+                outcome = _Outcome("ok", self.judger.judge(sample.response, sample.label, sample))
+            except Exception as exc:
+                outcome = _Outcome("error", _describe_exception(exc))
+            self._count("judger/time_s", time.perf_counter() - start)
+            self._apply(sample, outcome)
+            return
         entry = _Pending(sample)
         start = time.perf_counter()
         task = asyncio.ensure_future(self._run(sample))

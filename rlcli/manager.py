@@ -11,7 +11,7 @@ import asyncio
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from rlcli.produce import ProduceContext, ProduceStats, Task
 from rlcli.replay_buffer import ReplayBuffer
@@ -65,14 +65,15 @@ class RolloutManager:
     def weights(self) -> dict[str, float]:
         return {t.name: t.weight for t in self.tasks}
 
-    async def produce_batch(self, batch_size: int, train_step: int, model_step: int) -> BatchResult:
+    async def produce_batch(self, batch_size: int, train_step: int, model_step: int,
+                            progress: Callable[[int], None] | None = None) -> BatchResult:
         if batch_size <= 0:
             raise ValueError(f"produce_batch expects batch_size > 0, got {batch_size}")
         sizes = allocate_task_batch_sizes(batch_size, self.weights)
         active = [t for t in self.tasks if sizes[t.name] > 0]
         self.backend.resume()
         self.buffer.refresh(train_step, {t.name: t.rule for t in self.tasks})
-        ctxs = {t.name: ProduceContext(sizes[t.name], train_step, model_step, self.buffer) for t in active}
+        ctxs = {t.name: ProduceContext(sizes[t.name], train_step, model_step, self.buffer, progress) for t in active}
         await asyncio.gather(*(t.strategy.produce_batch(t, ctxs[t.name]) for t in active))
         self.backend.pause()
         await asyncio.gather(*(t.strategy.drain(t, ctxs[t.name]) for t in active))

@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 from pydantic import Field
 
@@ -76,6 +76,7 @@ class ProduceContext:
     train_step: int  # the consumer step the data is for
     model_step: int  # policy version the backend is serving
     buffer: ReplayBuffer
+    progress: Callable[[int], None] | None = None  # called with 1 per stored COMPLETED group
 
 
 class ProduceStrategyConfig(ComponentConfig):
@@ -148,6 +149,8 @@ class ProduceStrategy(Component):
         stored = ctx.buffer.put(group, consumer_step=ctx.train_step, rule=task.rule)
         if stored is None:
             st.expired_groups += 1
+        elif stored == Status.COMPLETED and ctx.progress is not None:
+            ctx.progress(1)
         return stored
 
 

@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -18,20 +18,21 @@ from rlcli.config import Recipe
 from rlcli.manager import RolloutManager
 from rlcli.plugins import get_registry
 from rlcli.runner.common import (
-    Environment, Evaluator, Timer, build_tasks, default_work_dir, mean, sample_row, seed_everything,
-    sequences_from_groups, setup_logging, write_jsonl, write_resolved,
+    Environment, Evaluator, Timer, build_tasks, default_work_dir, mean, prepare_work_dir, sample_row,
+    seed_everything, sequences_from_groups, setup_logging, write_jsonl, write_resolved,
 )
 
 log = logging.getLogger("rlcli")
 
 
 class ColocateRunner:
-    def __init__(self, recipe: Recipe, work_dir: str | Path | None = None, *, quiet: bool = False):
-        from rlcli.train.checkpoint import latest_checkpoint
+    def __init__(self, recipe: Recipe, work_dir: str | Path | None = None, *, quiet: bool = False,
+                 overwrite: bool = False):
         from rlcli.train.worker import TrainWorker
 
         self.recipe, self.cfg, self.quiet = recipe, recipe.trainer, quiet
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
+        ckpt = prepare_work_dir(self.work_dir, auto_resume=self.cfg.auto_resume, overwrite=overwrite)
         setup_logging(self.work_dir, quiet)
         write_resolved(recipe, self.work_dir)
         seed_everything(self.cfg.seed)
@@ -49,7 +50,6 @@ class ColocateRunner:
         self.evaluator = Evaluator(env, self.backend) if self.cfg.enable_evaluate else None
         self.loop = asyncio.new_event_loop()
         self.step = 0
-        ckpt = latest_checkpoint(self.work_dir / "checkpoints") if self.cfg.auto_resume else None
         if ckpt is not None:
             self._resume(ckpt)
         self.sync_weights(version=self.step)  # the backend serves exactly the trainer's weights
@@ -64,8 +64,9 @@ class ColocateRunner:
                    dynamic_ncols=True)
         while self.step < self.total_steps:
             step, t0 = self.step + 1, time.perf_counter()
-            with self.timer("rollout"):  # sampler -> agent loop -> backend -> judger -> strategy -> buffer
-                batch = self.run(self.manager.produce_batch(self.cfg.train_batch_size, step, self.model_step(step)))
+            with self.timer("rollout"), self.bar(f"rollout {step}", self.cfg.train_batch_size, "group") as tick:
+                # sampler -> agent loop -> backend -> judger -> produce strategy -> replay buffer
+                batch = self.run(self.manager.produce_batch(self.cfg.train_batch_size, step, self.model_step(step), tick))
             self.backend.sleep()  # colocated: give the KV cache back for training
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
                 seqs, adv = sequences_from_groups(batch.groups, self.estimator)
@@ -95,7 +96,15 @@ class ColocateRunner:
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
+    @contextlib.contextmanager
+    def bar(self, desc: str, total: int, unit: str):
+        """A progress bar that appears only when the phase takes more than two seconds."""
+        with tqdm(total=total, desc=desc, unit=unit, leave=False, delay=2.0, disable=self.quiet,
+                  dynamic_ncols=True) as b:
+            yield b.update
+
     def sync_weights(self, version: int) -> None:
+        """Stream the trainer's weights to the backend bucket by bucket (no full copy, no disk)."""
         nbytes = 0
         for bucket in self.worker.iter_weights():
             nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -103,8 +112,8 @@ class ColocateRunner:
         self.sync_bytes = nbytes
 
     def evaluate(self, step: int) -> dict[str, float]:
-        with self.timer("eval"):
-            metrics, samples = self.run(self.evaluator.run(step))
+        with self.timer("eval"), self.bar(f"eval {step}", self.evaluator.num_groups(), "prompt") as tick:
+            metrics, samples = self.run(self.evaluator.run(step, tick))
         write_jsonl(self.work_dir / "eval" / f"step-{step}.jsonl", [sample_row(s) for s in samples])
         return metrics
 
@@ -139,7 +148,7 @@ class ColocateRunner:
 
     # ------------------------------------------------------------------------------ logging
     def _build_trackers(self):
-        reg = get_registry()
+        reg = self.recipe._registry or get_registry()
         names = [t.name for t in self.cfg.exp_tracker]
         specs = list(self.cfg.exp_tracker)
         if "jsonl" not in names:
@@ -158,9 +167,10 @@ class ColocateRunner:
         return max(1, n_prompts // self.cfg.train_batch_size * self.cfg.total_epochs)
 
     def log(self, step: int, metrics: dict[str, float], groups=None) -> None:
-        metrics = {**metrics, **self.timer.pop(), "time": time.time()}
-        if "timing/sync_s" in metrics:
-            metrics["sync/bytes"] = float(getattr(self, "sync_bytes", 0))
+        timing = {"timing/rollout_s": 0.0, "timing/train_s": 0.0, "timing/sync_s": 0.0, **self.timer.pop()}
+        metrics = {**metrics, **timing, "time": time.time()}
+        if timing["timing/sync_s"] > 0:
+            metrics["sync/bytes"] = float(self.sync_bytes)
         for t in self.trackers:
             try:
                 t.log(step, metrics)

@@ -72,6 +72,41 @@ def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
     root.propagate = False
 
 
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
+               "resolved.yaml", "run.log")
+
+
+class WorkDirInUse(RuntimeError):
+    pass
+
+
+def prepare_work_dir(work_dir: Path, *, auto_resume: bool, overwrite: bool) -> Path | None:
+    """Decide between resuming and starting fresh; return the checkpoint to resume from.
+
+    A fresh run never mixes its logs or checkpoints with an earlier run's: it refuses a work dir
+    that holds one unless ``overwrite`` (then the earlier outputs are deleted). With
+    ``auto_resume`` the latest complete checkpoint is used; without one, leftovers of a run
+    that died before its first checkpoint are cleared.
+    """
+    import shutil
+
+    from rlcli.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(work_dir / "checkpoints") if auto_resume and not overwrite else None
+    if ckpt is not None:
+        return ckpt
+    present = [n for n in RUN_OUTPUTS if (work_dir / n).exists()]
+    if present and not (overwrite or auto_resume) and {"metrics.jsonl", "checkpoints"} & set(present):
+        raise WorkDirInUse(
+            f"{work_dir} already holds a run ({', '.join(present)}); pass --overwrite to replace it, "
+            f"set trainer.auto_resume=true to continue it, or choose another --work-dir"
+        )
+    for n in present:
+        p = work_dir / n
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return None
+
+
 class Timer:
     """Accumulates wall time per phase: ``with timer("train"): ...`` -> ``timing/train_s``."""
 
@@ -186,6 +221,9 @@ class Evaluator:
         self.metrics = [m.build() for m in recipe.eval.evaluator.metrics]
         self.backend = backend
 
+    def num_groups(self) -> int:
+        return sum(self._num_prompts(t.sampler) or len(t.sampler) for t in self.tasks)
+
     def _num_prompts(self, sampler) -> int | None:
         ev = self.eval_cfg.evaluator
         if ev.sample_num > 0:
@@ -194,7 +232,7 @@ class Evaluator:
             return max(1, int(len(sampler) * ev.sample_ratio))
         return None
 
-    async def run(self, step: int) -> tuple[dict[str, float], list[Sample]]:
+    async def run(self, step: int, progress=None) -> tuple[dict[str, float], list[Sample]]:
         from rlcli.evaluator import evaluate
 
         self.backend.resume()
@@ -205,7 +243,10 @@ class Evaluator:
             for g in groups:  # eval seeds differ per step
                 for s in g:
                     s.tries = step
-            await asyncio.gather(*(task.agent_loop.run_group(g) for g in groups))
+            for fut in asyncio.as_completed([task.agent_loop.run_group(g) for g in groups]):
+                await fut
+                if progress is not None:
+                    progress(1)
             samples = [s for g in groups for s in g]
             all_samples += samples
             res = evaluate(samples, self.metrics)
@@ -234,7 +275,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def write_resolved(recipe: Recipe, work_dir: Path) -> None:
-    reg = get_registry()
+    reg = recipe._registry or get_registry()
     used = {}
     for path, kind, spec in recipe.components():
         e = reg.entry(kind, spec.name)

@@ -16,8 +16,8 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
     ckpt = Path(checkpoint) if checkpoint else None
     is_hf = ckpt is not None and (ckpt / "config.json").exists()
     if is_hf:  # an HF export: it carries its own tokenizer
-        recipe = recipe.model_copy(deep=True)
-        recipe.model.path, recipe.model.from_scratch, recipe.model.tokenizer = str(ckpt), None, None
+        recipe = recipe.model_copy()
+        recipe.model = recipe.model.model_copy(update={"path": str(ckpt), "from_scratch": None, "tokenizer": None})
     work_dir = default_work_dir(recipe)
     out = Path(out_dir) if out_dir else work_dir / "eval" / (ckpt.name if ckpt else "base")
     setup_logging(out, quiet=True)

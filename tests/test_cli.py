@@ -1,0 +1,118 @@
+"""The command line: validate, plugins, recipes, data, and bad-input handling (no model loads)."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from rlcli.cli import cli
+
+
+@pytest.fixture()
+def runner():
+    return CliRunner()
+
+
+def test_help_is_fast_and_lists_commands(runner):
+    out = runner.invoke(cli, ["--help"])
+    assert out.exit_code == 0
+    for cmd in ("train", "eval", "validate", "plugins", "recipes", "data"):
+        assert cmd in out.output
+
+
+def test_validate_ok(runner, repo):
+    out = runner.invoke(cli, ["validate", str(repo / "recipes" / "quickstart.yaml")])
+    assert out.exit_code == 0, out.output
+    assert "tasks.0.judger: judger exact_match" in out.output
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (["trainer.sync_weights_interval=2", "trainer.checkpoint_interval=5"], "trainer.checkpoint_interval"),
+    (["trainer.sync_weights_interval=2", "trainer.hf_interval=3"], "trainer.hf_interval"),
+    (["trainer.sync_weights_interval=2", "trainer.evaluate_step=3"], "trainer.evaluate_step"),
+    (["~trainer.total_train_steps"], "trainer.total_train_steps"),
+    (["trainer.total_train_steps=0"], "trainer.total_train_steps"),
+    (["trainer.sync_weights_interval=0"], "trainer.sync_weights_interval"),
+    (["~eval"], "eval.tasks"),
+    (["tasks.1={task_name: arith, sampler: {name: jsonl, path: data/arith.jsonl}, judger: {name: exact_match}}"],
+     "tasks.1.task_name"),
+    (["tasks.0.weight=0"], "tasks"),
+    (["trainer.bogus=1"], "trainer.bogus"),
+    (["tasks.0.judger.name=nope"], "tasks.0.judger.name"),
+    (["tasks.0.judger.bogus=1"], "tasks.0.judger.bogus"),
+    (["rollout.name=nope"], "rollout.name"),
+])
+def test_validate_rejects_with_exit_2_and_no_side_effects(runner, repo, tmp_path, monkeypatch, overrides, expect):
+    import transformers
+
+    def boom(*a, **k):
+        raise AssertionError("validate must not load a model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    work = tmp_path / "wd"
+    args = ["validate", str(repo / "recipes" / "quickstart.yaml"), f"trainer.work_dir={work}", *overrides]
+    out = runner.invoke(cli, args)
+    assert out.exit_code == 2, out.output
+    assert expect in out.output
+    assert not work.exists()
+
+
+def test_train_with_broken_recipe_fails_before_any_model(runner, repo, tmp_path, monkeypatch):
+    import transformers
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    work = tmp_path / "wd"
+    out = runner.invoke(cli, ["train", str(repo / "recipes" / "quickstart.yaml"), f"trainer.work_dir={work}",
+                              "tasks.0.sampler.path=missing.jsonl"])
+    assert out.exit_code == 2 and "missing.jsonl" in out.output
+    assert not work.exists()
+
+
+def test_plugins_json_lists_every_kind(runner):
+    out = runner.invoke(cli, ["plugins", "--json"])
+    assert out.exit_code == 0
+    data = json.loads(out.output)
+    kinds = {c["kind"] for c in data["components"]}
+    assert {"judger", "inference_backend", "agent_loop", "produce_strategy", "replay_buffer"} <= kinds
+    gsm = next(c for c in data["components"] if c["name"] == "gsm8k")
+    assert gsm["distribution"] == "rlcli" and gsm["version"]
+
+
+def test_math_verify_plugin_is_listed_when_installed(runner):
+    pytest.importorskip("rlcli_math_verify", reason="pip install ./plugins/rlcli-math-verify")
+    data = json.loads(runner.invoke(cli, ["plugins", "--json"]).output)
+    mv = next(c for c in data["components"] if c["name"] == "math_verify")
+    assert mv["kind"] == "judger" and mv["distribution"] == "rlcli-math-verify" and mv["version"] == "0.1.0"
+
+
+def test_recipes_lists_builtins(runner):
+    out = runner.invoke(cli, ["recipes"])
+    assert out.exit_code == 0
+    assert "quickstart.yaml" in out.output and "gsm8k-colocate.yaml" in out.output
+
+
+def test_data_gsm8k(runner, tmp_path):
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"question": "2+3?", "answer": "it is 5\n#### 5"}) + "\n{broken\n")
+    out_path = tmp_path / "out.jsonl"
+    out = runner.invoke(cli, ["data", "gsm8k", str(raw), str(out_path)])
+    assert out.exit_code == 0, out.output
+    assert "wrote 1 rows" in out.output and "skipped 1" in out.output
+    row = json.loads(out_path.read_text().splitlines()[0])
+    assert row["reward_model"]["ground_truth"] == "5" and row["data_source"] == "openai/gsm8k"
+
+
+def test_data_arith(runner, tmp_path):
+    out = runner.invoke(cli, ["data", "arith", str(tmp_path)])
+    assert out.exit_code == 0
+    assert len((tmp_path / "arith.jsonl").read_text().splitlines()) == 100
+
+
+def test_gsm8k_recipe_validates_with_a_model_path(runner, repo, tiny_llama, tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
+                                "reward_model": {"ground_truth": "2"}}) + "\n")
+    out = runner.invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-colocate.yaml"), f"model.path={tiny_llama}",
+                              f"tasks.0.sampler.path={data}", f"eval.tasks.0.sampler.path={data}"])
+    assert out.exit_code == 0, out.output
