@@ -70,15 +70,15 @@ def _spec(kind: str, default: dict | None = None, **kw: Any) -> Any:
 class FromScratch(Strict):
     """A randomly initialised decoder for toy and test runs (no download)."""
 
-    arch: Literal["qwen2", "llama", "qwen3"] = "qwen2"
-    hidden_size: int = Field(64, gt=0)
-    num_hidden_layers: int = Field(2, gt=0)
-    num_attention_heads: int = Field(4, gt=0)
-    num_key_value_heads: int = Field(2, gt=0)
-    intermediate_size: int = Field(128, gt=0)
-    max_position_embeddings: int = Field(512, gt=0)
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
+    arch: Literal["qwen2", "llama", "qwen3"] = Field("qwen2", description="Hugging Face model type to instantiate.")
+    hidden_size: int = Field(64, gt=0, description="Model width.")
+    num_hidden_layers: int = Field(2, gt=0, description="Decoder layers.")
+    num_attention_heads: int = Field(4, gt=0, description="Query heads.")
+    num_key_value_heads: int = Field(2, gt=0, description="Key/value heads (GQA).")
+    intermediate_size: int = Field(128, gt=0, description="MLP width.")
+    max_position_embeddings: int = Field(512, gt=0, description="Longest prompt + response.")
+    rope_theta: float = Field(10000.0, description="RoPE base.")
+    tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
 
 
 class ModelConfig(Strict):
@@ -94,21 +94,22 @@ class ModelConfig(Strict):
 
 # --------------------------------------------------------------------------------- trainer
 class TrainerConfig(Strict):
-    mode: Literal["colocate", "disaggregated"] = "colocate"
-    total_train_steps: int | None = None
-    total_epochs: int | None = None
+    mode: Literal["colocate", "disaggregated"] = Field(
+        "colocate", description="colocate: rollout and training take turns on the same devices.")
+    total_train_steps: int | None = Field(None, description="Training steps; wins over total_epochs.")
+    total_epochs: int | None = Field(None, description="Passes over the train prompts (steps = prompts // batch × epochs).")
     train_batch_size: int = Field(..., description="Prompt groups consumed per training step.")
-    sync_weights_interval: int = 1
-    seed: int = 42
-    enable_evaluate: bool = True
-    enable_initial_evaluate: bool = False
-    evaluate_step: int | None = 1
-    checkpoint_interval: int | None = -1
-    checkpoint_maxkeep: int | None = -1
-    checkpoint_no_save_optimizer: bool = False
-    hf_interval: int | None = -1
-    hf_maxkeep: int | None = -1
-    auto_resume: bool = False
+    sync_weights_interval: int = Field(1, description="Push weights to the inference backend every N steps.")
+    seed: int = Field(42, description="Seeds model init, sampling and shuffling.")
+    enable_evaluate: bool = Field(True, description="Run eval.tasks every evaluate_step steps and at the end.")
+    enable_initial_evaluate: bool = Field(False, description="Also evaluate before training (step 0).")
+    evaluate_step: int | None = Field(1, description="Evaluation interval (a multiple of sync_weights_interval).")
+    checkpoint_interval: int | None = Field(-1, description="Checkpoint every N steps; -1/null: never.")
+    checkpoint_maxkeep: int | None = Field(-1, description="Keep only the newest N checkpoints; -1: all.")
+    checkpoint_no_save_optimizer: bool = Field(False, description="Smaller checkpoints without optimizer state (resume then restarts Adam moments).")
+    hf_interval: int | None = Field(-1, description="Export a Hugging Face model every N steps (and always at the last step).")
+    hf_maxkeep: int | None = Field(-1, description="Keep only the newest N HF exports; -1: all.")
+    auto_resume: bool = Field(False, description="Continue from the newest complete checkpoint in the work dir.")
     exp_tracker: list[Annotated[ComponentSpec, Kind("tracker")]] = Field(
         default_factory=lambda: [ComponentSpec(name="tensorboard"), ComponentSpec(name="jsonl")],
         description="Trackers; 'jsonl' (metrics.jsonl) is always added.",
@@ -119,32 +120,32 @@ class TrainerConfig(Strict):
 
 
 class ResourcesConfig(Strict):
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU.")
 
 
 # ---------------------------------------------------------------------------- train worker
 class OptimizerConfig(Strict):
-    name: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-6, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    name: Literal["adamw"] = Field("adamw", description="Optimizer.")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
 
 
 class LRSchedulerConfig(Strict):
-    name: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    warmup_ratio: float = Field(0.0, ge=0, lt=1)
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    name: Literal["constant", "linear", "cosine"] = Field("constant", description="Decay after warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up, in optimizer steps.")
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, description="Warm-up as a fraction of all optimizer steps (if warmup_steps is 0).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final LR as a fraction of the peak (linear, cosine).")
 
 
 class FSDPConfig(Strict):
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    param_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
-    torch_compile: bool = False
+    reshard_after_forward: bool = Field(True, description="Free gathered parameters after each layer's forward.")
+    cpu_offload: bool = Field(False, description="Keep sharded parameters and optimizer state in CPU memory.")
+    param_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Compute dtype (auto: model.dtype).")
+    reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
+    torch_compile: bool = Field(False, description="torch.compile each decoder layer.")
 
 
 class TrainWorkerConfig(Strict):
@@ -166,8 +167,8 @@ class TrainWorkerConfig(Strict):
 
 # ----------------------------------------------------------------------------------- tasks
 class TaskConfig(Strict):
-    task_name: str
-    weight: float = Field(1.0, ge=0)
+    task_name: str = Field(..., description="Unique name; metrics are reported per task.")
+    weight: float = Field(1.0, ge=0, description="Share of train_batch_size (largest-remainder split).")
     sampler: _spec("sampler")  # type: ignore[valid-type]
     agent_loop: _spec("agent_loop", {"name": "single_turn"})  # type: ignore[valid-type]
     judger: _spec("judger")  # type: ignore[valid-type]

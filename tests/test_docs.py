@@ -49,3 +49,18 @@ def test_walkthrough_recipe_snippet_validates(walkthrough, repo, monkeypatch):
         assert rec.tasks[0].judger.cfg.keyword == "please"
     finally:
         sys.path.remove(str(walkthrough))
+
+
+def test_recipe_reference_is_generated_from_the_code(repo, monkeypatch):
+    from rlcli.docgen import BEGIN, END, recipe_reference
+    from rlcli.plugins import get_registry
+
+    monkeypatch.setenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD", "1")  # built-ins only, like the generator
+    get_registry(refresh=True)
+    try:
+        text = (repo / "docs" / "recipes.md").read_text()
+        current = text[text.index(BEGIN): text.index(END) + len(END)]
+        assert current == recipe_reference(), "run: RLCLI_DISABLE_PLUGIN_AUTOLOAD=1 python -m rlcli.docgen --write docs/recipes.md"
+    finally:
+        monkeypatch.delenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD")
+        get_registry(refresh=True)
