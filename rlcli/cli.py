@@ -192,6 +192,34 @@ def data_arith(out_dir: str) -> None:
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
+@cli.command()
+@click.argument("work_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write (default: WORK_DIR/report.html).")
+def report(work_dirs: tuple[str, ...], out: str | None) -> None:
+    """One self-contained HTML report of one run, or of several runs overlaid."""
+    from rlcli.report.html import write_report
+
+    path = write_report([Path(w) for w in work_dirs], Path(out) if out else None)
+    click.echo(f"wrote {path}")
+
+
+@cli.command("inspect")
+@click.argument("work_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--step", type=int, help="Only this training step.")
+@click.option("--task", help="Only this task.")
+@click.option("--min-reward", type=float, help="Only rollouts with reward >= this.")
+@click.option("--max-reward", type=float, help="Only rollouts with reward <= this.")
+@click.option("--limit", type=int, default=None, help="At most this many rows.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line, for scripts.")
+def inspect_cmd(work_dir: str, step: int | None, task: str | None, min_reward: float | None,
+                max_reward: float | None, limit: int | None, as_json: bool) -> None:
+    """Browse the rollouts a run dumped to WORK_DIR/rollouts/."""
+    from rlcli.report.inspect import run_inspect
+
+    run_inspect(Path(work_dir), step=step, task=task, min_reward=min_reward, max_reward=max_reward,
+                limit=limit, as_json=as_json)
+
+
 def main() -> None:
     cli()
 

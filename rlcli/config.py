@@ -116,6 +116,8 @@ class TrainerConfig(Strict):
     )
     work_dir: str | None = Field(None, description="Defaults to work_dirs/<recipe file stem>.")
     log_samples_per_step: int = Field(2, ge=0, description="Rollout texts logged to TensorBoard per step.")
+    dump_rollout_groups: int = Field(
+        4, ge=0, description="Groups per step written to rollouts/step-N.jsonl (the best and worst by reward).")
     log_every: int = Field(1, gt=0, description="Console summary every N steps.")
 
 

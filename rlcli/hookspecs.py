@@ -67,3 +67,8 @@ def register_samplers() -> list[type]:
 @hookspec
 def register_group_filters() -> list[type]:
     """Group filters: drop completed groups before they reach training (e.g. all-equal rewards)."""
+
+
+@hookspec
+def register_tools() -> list[type]:
+    """Tools: functions an agent loop can call by name (calculator, sandboxed Python, ...)."""

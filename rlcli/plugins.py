@@ -36,6 +36,7 @@ KINDS: dict[str, str] = {
     "tracker": "register_trackers",
     "sampler": "register_samplers",
     "group_filter": "register_group_filters",
+    "tool": "register_tools",
 }
 
 DEFAULT_PLUGINS: tuple[str, ...] = (
@@ -50,6 +51,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlcli.trackers",
     "rlcli.data.sampler",
     "rlcli.produce.filters",
+    "rlcli.tools",
 )
 
 

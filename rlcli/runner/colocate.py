@@ -81,6 +81,7 @@ class ColocateRunner:
             if self.evaluator and synced and (step % self.cfg.evaluate_step == 0 or step == self.total_steps):
                 metrics.update(self.evaluate(step))
             metrics["timing/step_s"] = time.perf_counter() - t0
+            self.dump_rollouts(step, batch.groups)
             self.log(step, metrics, batch.groups)
             last = metrics
             bar.update(1)
@@ -116,6 +117,16 @@ class ColocateRunner:
             metrics, samples = self.run(self.evaluator.run(step, tick))
         write_jsonl(self.work_dir / "eval" / f"step-{step}.jsonl", [sample_row(s) for s in samples])
         return metrics
+
+    def dump_rollouts(self, step: int, groups) -> None:
+        """A bounded sample of the step's rollouts: half the best groups and half the worst, by mean reward."""
+        n = self.cfg.dump_rollout_groups
+        if n <= 0:
+            return
+        ranked = sorted(groups, key=lambda g: mean([s.score for s in g.samples]), reverse=True)
+        chosen = ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
+        write_jsonl(self.work_dir / "rollouts" / f"step-{step}.jsonl",
+                    [{"step": step, **sample_row(s)} for g in chosen for s in g.samples])
 
     def maybe_save(self, step: int, synced: bool, groups) -> None:
         cfg = self.cfg
