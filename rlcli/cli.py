@@ -59,7 +59,14 @@ def cli() -> None:
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Where outputs go (default: trainer.work_dir).")
 @click.option("--quiet", is_flag=True, help="No progress bars or per-step lines.")
 @click.option("--overwrite", is_flag=True, help="Delete an earlier run's outputs in the work dir first.")
-def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: bool, overwrite: bool) -> None:
+@click.option("--nproc-per-node", type=int, default=1, show_default=True,
+              help="Ranks on this machine (one per GPU; gloo ranks on CPU), as torchrun.")
+@click.option("--nnodes", type=int, default=1, show_default=True, help="Machines in the run, as torchrun.")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="This machine's index, as torchrun.")
+@click.option("--master-addr", help="Address of node 0 (needed with --nnodes > 1).")
+@click.option("--master-port", type=int, help="Port on node 0 (needed with --nnodes > 1).")
+def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: bool, overwrite: bool,
+          nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str | None, master_port: int | None) -> None:
     """Train with RECIPE, applying KEY=VALUE / ~KEY overrides.
 
     \b
@@ -72,22 +79,31 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     if rec.trainer.mode != "colocate":
         click.secho("trainer.mode 'disaggregated' is not available yet in this version", fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
-    from rlcli.runner.colocate import ColocateRunner
+    from rlcli.launch import LaunchSpec, RankFailed, launch
+    from rlcli.runner.colocate import rank_entry, run_training
     from rlcli.runner.common import WorkDirInUse
 
+    spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     try:
-        runner = ColocateRunner(rec, work_dir, quiet=quiet, overwrite=overwrite)
+        spec.check()
+        if spec.world_size == 1:
+            path, final = run_training(rec, work_dir, quiet=quiet, overwrite=overwrite)
+        else:
+            results = launch(spec, rank_entry, recipe, list(overrides), work_dir, quiet, overwrite)
+            main_result = results.get(0)
+            if main_result is None:  # not node 0: rank 0 reports
+                return
+            path, final = main_result
     except WorkDirInUse as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
-    try:
-        final = runner.fit()
-    finally:
-        runner.close()
+    except (ValueError, RankFailed) as exc:
+        click.secho(f"training failed: {exc}", fg="red", err=True)
+        sys.exit(1)
     if not quiet:
         shown = {k: round(v, 4) for k, v in final.items()
                  if (k.startswith("eval/") and "judger/" not in k) or k == "reward/mean"}
-        click.echo(f"done: {runner.work_dir} {json.dumps(shown)}")
+        click.echo(f"done: {path} {json.dumps(shown)}")
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})
@@ -194,12 +210,24 @@ def data_arith(out_dir: str) -> None:
 
 @cli.command()
 @click.argument("work_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
-@click.option("--out", type=click.Path(dir_okay=False), help="HTML file to write (default: WORK_DIR/report.html).")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="HTML file to write (default: the first WORK_DIR's report.html).")
 def report(work_dirs: tuple[str, ...], out: str | None) -> None:
-    """One self-contained HTML report of one run, or of several runs overlaid."""
+    """One self-contained HTML report of one run, or of several runs overlaid.
+
+    \b
+    examples:
+      rlcli report work_dirs/quickstart                       # -> work_dirs/quickstart/report.html
+      rlcli report runs/sync runs/async --out compare.html    # two runs on the same axes
+    """
+    from rlcli.report import ReportError
     from rlcli.report.html import write_report
 
-    path = write_report([Path(w) for w in work_dirs], Path(out) if out else None)
+    try:
+        path = write_report([Path(w) for w in work_dirs], Path(out) if out else None)
+    except ReportError as exc:
+        click.secho(str(exc), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
     click.echo(f"wrote {path}")
 
 
@@ -209,15 +237,22 @@ def report(work_dirs: tuple[str, ...], out: str | None) -> None:
 @click.option("--task", help="Only this task.")
 @click.option("--min-reward", type=float, help="Only rollouts with reward >= this.")
 @click.option("--max-reward", type=float, help="Only rollouts with reward <= this.")
-@click.option("--limit", type=int, default=None, help="At most this many rows.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="At most this many rows.")
+@click.option("--full", is_flag=True, help="Whole prompts and responses (default: clipped at 300 characters).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line, for scripts.")
 def inspect_cmd(work_dir: str, step: int | None, task: str | None, min_reward: float | None,
-                max_reward: float | None, limit: int | None, as_json: bool) -> None:
-    """Browse the rollouts a run dumped to WORK_DIR/rollouts/."""
+                max_reward: float | None, limit: int | None, full: bool, as_json: bool) -> None:
+    """Browse the rollouts a run dumped to WORK_DIR/rollouts/ (paged on a terminal).
+
+    \b
+    examples:
+      rlcli inspect work_dirs/quickstart --step 10 --min-reward 1
+      rlcli inspect work_dirs/quickstart --max-reward 0 --json | jq .response
+    """
     from rlcli.report.inspect import run_inspect
 
     run_inspect(Path(work_dir), step=step, task=task, min_reward=min_reward, max_reward=max_reward,
-                limit=limit, as_json=as_json)
+                limit=limit, as_json=as_json, full=full)
 
 
 def main() -> None:

@@ -312,6 +312,9 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
     w = make_worker(model_dir, pack_max_length=24)
     seqs = make_batch(n=30, seed=9)
     ref = [w.train_step(seqs) for _ in range(2)]
+    # the figure: on a fixed batch, 2-rank loss and grad norm equal 1-rank within 1e-5
+    assert abs(got["metrics"][0]["train/loss"] - ref[0]["train/loss"]) <= 1e-5
+    assert abs(got["metrics"][0]["train/grad_norm"] - ref[0]["train/grad_norm"]) <= 1e-5
     for a, b in zip(got["metrics"], ref):
         for key in ("train/loss", "train/grad_norm", "train/entropy", "train/kl_k3", "train/tokens", "train/ratio_max",
                     "train/rollout_logprob_diff"):

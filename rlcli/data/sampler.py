@@ -116,6 +116,7 @@ class JsonlSampler(Component):
         self.epoch = 0
         self.position = 0
         self.groups_sampled = 0
+        self.rank, self.world = 0, 1
         self._order = self._permutation(0)
         self._pending_skip_report = len(self.skipped)
 
@@ -191,22 +192,38 @@ class JsonlSampler(Component):
             for i in range(k)
         ]
 
+    def shard(self, rank: int, world: int) -> None:
+        """Hand out only every ``world``-th prompt of the shared stream, starting at ``rank``.
+
+        All ranks follow the same per-epoch permutation, so together they cover each epoch once,
+        and group ids stay unique across ranks (``index * world + rank``).
+        """
+        if self.groups_sampled or self.position:
+            raise RuntimeError("shard() must be called before sampling")
+        self.rank, self.world = rank, world
+        self.position = rank
+
     def sample_group(self) -> list[Sample]:
         """The next prompt of the infinite stream, as ``prompt_repeat_k`` fresh samples."""
-        if self.position >= len(self._order):
+        while self.position >= len(self._order):
             self.epoch += 1
-            self.position = 0
+            self.position -= len(self._order)
             self._order = self._permutation(self.epoch)
         prompt = self.prompts[self._order[self.position]]
-        self.position += 1
-        group = self.make_group(prompt, self.groups_sampled)
+        self.position += self.world
+        group = self.make_group(prompt, self.groups_sampled * self.world + self.rank)
         self.groups_sampled += 1
         return group
 
-    def fixed_groups(self, n: int | None = None) -> list[list[Sample]]:
-        """The first ``n`` prompts in file order (all when None): the same set every time (evaluation)."""
+    def fixed_groups(self, n: int | None = None, shard: tuple[int, int] = (0, 1)) -> list[list[Sample]]:
+        """The first ``n`` prompts in file order (all when None): the same set every time (evaluation).
+
+        With ``shard=(rank, world)`` only this rank's part (every ``world``-th prompt); group ids
+        are the prompts' indices, whatever the number of ranks.
+        """
         chosen = self.prompts if n is None else self.prompts[:n]
-        return [self.make_group(p, i) for i, p in enumerate(chosen)]
+        r, w = shard
+        return [self.make_group(chosen[i], i) for i in range(r, len(chosen), w)]
 
     def pop_stats(self) -> dict[str, float]:
         """Rows skipped since the last call (reported once)."""
@@ -216,12 +233,15 @@ class JsonlSampler(Component):
     # ---------------------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "groups_sampled": self.groups_sampled,
-                "num_prompts": len(self.prompts), "seed": self.seed}
+                "num_prompts": len(self.prompts), "seed": self.seed, "rank": self.rank, "world": self.world}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_prompts") != len(self.prompts):
             raise ValueError(f"{self.path}: checkpoint was made with {state.get('num_prompts')} prompts, "
                              f"the file now has {len(self.prompts)}; refusing to resume on different data")
+        if (state.get("rank", 0), state.get("world", 1)) != (self.rank, self.world):
+            raise ValueError(f"{self.path}: checkpoint was made by rank {state.get('rank', 0)} of {state.get('world', 1)}, "
+                             f"this is rank {self.rank} of {self.world}; resume with the same number of ranks")
         self.epoch, self.position, self.groups_sampled = state["epoch"], state["position"], state["groups_sampled"]
         self._order = self._permutation(self.epoch)
 

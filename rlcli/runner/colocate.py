@@ -15,8 +15,11 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from rlcli.config import Recipe
+from rlcli.dist import barrier, init_distributed
 from rlcli.manager import RolloutManager
+from rlcli.models import resolve_device
 from rlcli.plugins import get_registry
+from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.common import (
     Environment, Evaluator, Timer, build_tasks, default_work_dir, mean, prepare_work_dir, sample_row,
     seed_everything, sequences_from_groups, setup_logging, write_jsonl, write_resolved,
@@ -26,19 +29,38 @@ log = logging.getLogger("rlcli")
 
 
 class ColocateRunner:
+    """One rank of a colocated run (rank 0 also owns the console, logs and checkpoint metadata).
+
+    Every rank hosts an inference replica and rolls out its share of ``train_batch_size`` from
+    its shard of the prompts; advantages are computed per group on the rank that produced it,
+    and FSDP2 trains on all ranks' sequences with the loss normalised over the whole step.
+    """
+
     def __init__(self, recipe: Recipe, work_dir: str | Path | None = None, *, quiet: bool = False,
                  overwrite: bool = False):
+        from rlcli.train.checkpoint import latest_checkpoint
         from rlcli.train.worker import TrainWorker
 
-        self.recipe, self.cfg, self.quiet = recipe, recipe.trainer, quiet
+        self.recipe, self.cfg = recipe, recipe.trainer
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
-        ckpt = prepare_work_dir(self.work_dir, auto_resume=self.cfg.auto_resume, overwrite=overwrite)
-        setup_logging(self.work_dir, quiet)
-        write_resolved(recipe, self.work_dir)
-        seed_everything(self.cfg.seed)
+        rank, world = init_distributed(resolve_device(recipe.resources.device))
+        self.main, self.quiet = rank == 0, quiet or rank != 0
+        ckpt = None
+        if self.main:  # rank 0 decides between resuming and starting fresh (and cleans up)
+            ckpt = prepare_work_dir(self.work_dir, auto_resume=self.cfg.auto_resume, overwrite=overwrite)
+            setup_logging(self.work_dir, quiet)
+            write_resolved(recipe, self.work_dir)
+        barrier()
+        if not self.main and self.cfg.auto_resume and not overwrite:
+            ckpt = latest_checkpoint(self.work_dir / "checkpoints")
+        seed_everything(self.cfg.seed + rank)
         self.env = env = Environment(recipe, self.work_dir)
+        self.local_batch = self.cfg.train_batch_size // world + (rank < self.cfg.train_batch_size % world)
+        if self.local_batch == 0:
+            raise ValueError(f"trainer.train_batch_size={self.cfg.train_batch_size} is smaller than the "
+                             f"number of ranks ({world}); every rank needs at least one group")
         self.timer = Timer()
-        self.trackers = self._build_trackers()
+        self.trackers = self._build_trackers() if self.main else []
         self.total_steps = self._total_steps()
         self.worker = TrainWorker(env.model_dir, recipe.model, recipe.train_worker,
                                   recipe.train_worker.loss.build(), device=env.device, dtype=env.dtype,
@@ -64,9 +86,9 @@ class ColocateRunner:
                    dynamic_ncols=True)
         while self.step < self.total_steps:
             step, t0 = self.step + 1, time.perf_counter()
-            with self.timer("rollout"), self.bar(f"rollout {step}", self.cfg.train_batch_size, "group") as tick:
+            with self.timer("rollout"), self.bar(f"rollout {step}", self.local_batch, "group") as tick:
                 # sampler -> agent loop -> backend -> judger -> produce strategy -> replay buffer
-                batch = self.run(self.manager.produce_batch(self.cfg.train_batch_size, step, self.model_step(step), tick))
+                batch = self.run(self.manager.produce_batch(self.local_batch, step, self.model_step(step), tick))
             self.backend.sleep()  # colocated: give the KV cache back for training
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
                 seqs, adv = sequences_from_groups(batch.groups, self.estimator)
@@ -77,15 +99,14 @@ class ColocateRunner:
                 with self.timer("sync"):
                     self.sync_weights(version=step)
             self.backend.wake_up()
-            self.maybe_save(step, synced, batch.groups)
             if self.evaluator and synced and (step % self.cfg.evaluate_step == 0 or step == self.total_steps):
                 metrics.update(self.evaluate(step))
             metrics["timing/step_s"] = time.perf_counter() - t0
             self.dump_rollouts(step, batch.groups)
-            self.log(step, metrics, batch.groups)
-            last = metrics
+            last = self.log(step, metrics, batch.groups)
+            self.maybe_save(step, synced)  # after the step's row is logged: a resume never loses it
             bar.update(1)
-            bar.set_postfix_str(self.summary(metrics), refresh=False)
+            bar.set_postfix_str(self.summary(last), refresh=False)
         bar.close()
         return last
 
@@ -113,22 +134,34 @@ class ColocateRunner:
         self.sync_bytes = nbytes
 
     def evaluate(self, step: int) -> dict[str, float]:
+        """Every rank evaluates its share of the eval prompts; rank 0 reduces and writes them."""
         with self.timer("eval"), self.bar(f"eval {step}", self.evaluator.num_groups(), "prompt") as tick:
-            metrics, samples = self.run(self.evaluator.run(step, tick))
-        write_jsonl(self.work_dir / "eval" / f"step-{step}.jsonl", [sample_row(s) for s in samples])
+            samples = self.run(self.evaluator.run(step, tick))
+            judge_stats = self.evaluator.pop_judge_stats()
+        gathered = gather_to_main((samples, judge_stats))
+        if not self.main:
+            return {}
+        everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s.task_name, s.uid))
+        metrics = self.evaluator.metrics(everything)
+        for _, stats in gathered:
+            for k, v in stats.items():
+                metrics[k] = metrics.get(k, 0.0) + v
+        write_jsonl(self.work_dir / "eval" / f"step-{step}.jsonl", [sample_row(s) for s in everything])
         return metrics
 
     def dump_rollouts(self, step: int, groups) -> None:
         """A bounded sample of the step's rollouts: half the best groups and half the worst, by mean reward."""
         n = self.cfg.dump_rollout_groups
-        if n <= 0:
+        gathered = gather_to_main(groups if n > 0 else [])
+        if n <= 0 or not self.main:
             return
-        ranked = sorted(groups, key=lambda g: mean([s.score for s in g.samples]), reverse=True)
+        ranked = sorted((g for part in gathered for g in part), key=lambda g: mean([s.score for s in g.samples]),
+                        reverse=True)
         chosen = ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
         write_jsonl(self.work_dir / "rollouts" / f"step-{step}.jsonl",
                     [{"step": step, **sample_row(s)} for g in chosen for s in g.samples])
 
-    def maybe_save(self, step: int, synced: bool, groups) -> None:
+    def maybe_save(self, step: int, synced: bool) -> None:
         cfg = self.cfg
         if synced and cfg.checkpoint_interval and cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0:
             with self.timer("checkpoint"):
@@ -137,20 +170,29 @@ class ColocateRunner:
         if due or step == self.total_steps:
             with self.timer("hf_export"):
                 self.worker.save_hf(self.work_dir / "hf" / f"step-{step}", self.env.tokenizer)
-                _prune(self.work_dir / "hf", cfg.hf_maxkeep)
+                if self.main:
+                    _prune(self.work_dir / "hf", cfg.hf_maxkeep)
 
     def save_checkpoint(self, step: int) -> None:
+        """Collective: DCP shards from every rank, each rank's rollout state gathered into rank 0's file."""
         from rlcli.train.checkpoint import prune
 
-        extra = {"step": step, "manager": self.manager.state_dict()}
+        managers = gather_to_main(self.manager.state_dict())
+        extra = {"step": step, "managers": managers}
         self.worker.save_checkpoint(self.work_dir / "checkpoints" / f"step-{step}", extra,
                                     no_optimizer=self.cfg.checkpoint_no_save_optimizer)
-        prune(self.work_dir / "checkpoints", self.cfg.checkpoint_maxkeep)
+        if self.main:
+            prune(self.work_dir / "checkpoints", self.cfg.checkpoint_maxkeep)
+        barrier()
 
     def _resume(self, path: Path) -> None:
         extra = self.worker.load_checkpoint(path)
+        managers = extra["managers"]
+        if len(managers) != self.env.world_size:
+            raise RuntimeError(f"{path} was written by {len(managers)} rank(s); resume it with the same "
+                               f"number of ranks (this run has {self.env.world_size})")
         self.step = int(extra["step"])
-        self.manager.load_state_dict(extra["manager"])
+        self.manager.load_state_dict(managers[self.env.rank])
         for t in self.trackers:
             t.truncate_after(self.step)
         log.info("resumed from %s at step %d", path, self.step)
@@ -177,23 +219,29 @@ class ColocateRunner:
                         for tc in self.recipe.tasks)
         return max(1, n_prompts // self.cfg.train_batch_size * self.cfg.total_epochs)
 
-    def log(self, step: int, metrics: dict[str, float], groups=None) -> None:
+    def log(self, step: int, metrics: dict[str, float], groups=None) -> dict[str, float]:
+        """Merge every rank's metrics on rank 0 and hand them to the trackers; returns the merged row."""
         timing = {"timing/rollout_s": 0.0, "timing/train_s": 0.0, "timing/sync_s": 0.0, **self.timer.pop()}
-        metrics = {**metrics, **timing, "time": time.time()}
+        metrics = {**metrics, **timing}
         if timing["timing/sync_s"] > 0:
             metrics["sync/bytes"] = float(self.sync_bytes)
-        for t in self.trackers:
+        gathered = gather_to_main(metrics)
+        if not self.main:
+            return metrics
+        metrics = {**merge_metrics(gathered), "time": time.time()}
+        for t in list(self.trackers):
             try:
                 t.log(step, metrics)
-                if groups:
-                    for g in groups[: self.cfg.log_samples_per_step]:
-                        s = g.samples[0]
-                        t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
-                                                    f"\n\n**reward** {s.score}")
-            except Exception as exc:  # a tracker must never stop training
-                log.warning("tracker %s failed: %s", type(t).__name__, exc)
+                for g in (groups or [])[: self.cfg.log_samples_per_step]:
+                    s = g.samples[0]
+                    t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
+                                                f"\n\n**reward** {s.score}")
+            except Exception as exc:  # a tracker must never stop training: drop it and go on
+                log.warning("tracker %s failed and is disabled: %s", type(t).__name__, exc)
+                self.trackers.remove(t)
         if step % self.cfg.log_every == 0 and not self.quiet:
             tqdm.write(f"step {step}/{self.total_steps} {self.summary(metrics)}")
+        return metrics
 
     @staticmethod
     def summary(m: dict[str, float]) -> str:
@@ -214,6 +262,34 @@ class ColocateRunner:
             self.evaluator.close()
         self.backend.shutdown()
         self.loop.close()
+
+
+def run_training(recipe: Recipe, work_dir: str | Path | None, *, quiet: bool = False,
+                 overwrite: bool = False) -> tuple[Path, dict[str, float]]:
+    """Build the runner, train, clean up; returns the work dir and the last step's metrics."""
+    runner = ColocateRunner(recipe, work_dir, quiet=quiet, overwrite=overwrite)
+    try:
+        return runner.work_dir, runner.fit()
+    finally:
+        runner.close()
+
+
+def rank_entry(recipe_path: str, overrides: list[str], work_dir: str | None, quiet: bool,
+               overwrite: bool) -> tuple[str, dict[str, float]] | None:
+    """What each launched rank runs (module level so that spawned processes can import it)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from rlcli.config import load_recipe
+
+    @record
+    def _main():
+        recipe = load_recipe(recipe_path, overrides)
+        path, final = run_training(recipe, work_dir, quiet=quiet, overwrite=overwrite)
+        from rlcli.dist import is_main
+
+        return (str(path), final) if is_main() else None
+
+    return _main()
 
 
 def _prune(root: Path, maxkeep: int | None) -> None:

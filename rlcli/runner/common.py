@@ -20,6 +20,7 @@ import yaml
 from rlcli.backends.base import BackendContext, InferenceBackend
 from rlcli.config import Recipe, TaskConfig, resolved_dict
 from rlcli.data.sampler import RECIPE_DIR
+from rlcli.dist import barrier, init_distributed, is_main, local_device, rank, world_size
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
 from rlcli.plugins import get_registry
 from rlcli.produce import Task
@@ -48,11 +49,15 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
+def quiet_transformers() -> None:
     import transformers
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()  # our own progress bars only
+
+
+def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
+    quiet_transformers()
     root = logging.getLogger("rlcli")
     root.setLevel(logging.INFO)
     for h in list(root.handlers):
@@ -131,14 +136,21 @@ class Environment:
 
     def __init__(self, recipe: Recipe, work_dir: Path):
         self.recipe, self.work_dir = recipe, work_dir
+        quiet_transformers()
         if recipe._source is not None:
             RECIPE_DIR.set(recipe._source.resolve().parent)
-        self.device = resolve_device(recipe.resources.device)
+        device = resolve_device(recipe.resources.device)
+        self.rank, self.world_size = init_distributed(device)
+        self.device = local_device(device)
         if self.device.type == "cpu" and recipe.resources.num_threads:
             torch.set_num_threads(recipe.resources.num_threads)
         self.dtype = resolve_dtype(recipe.model.dtype, self.device)
         self.seed = recipe.trainer.seed
-        self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
+        if is_main():  # rank 0 materialises a from-scratch model; the others read it
+            self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
+        barrier()
+        if not is_main():
+            self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
         self.tokenizer = load_tokenizer(tokenizer_source(recipe.model, self.model_dir))
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_dir)
         if not self.eos_ids:
@@ -148,6 +160,7 @@ class Environment:
         ctx = BackendContext(
             model_dir=str(self.model_dir), device=self.device, dtype=self.dtype, eos_token_ids=self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id, seed=self.seed, version=version,
+            rank=self.rank, world_size=self.world_size,
         )
         return self.recipe.rollout.build(ctx=ctx)
 
@@ -166,6 +179,8 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
         pool = build_judge_pool(tc)
         pools.append(pool)
         sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
+        if hasattr(sampler, "shard"):
+            sampler.shard(env.rank, env.world_size)  # every rank rolls out distinct prompts
         loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,
                                    eos_token_ids=env.eos_ids, seed=env.seed, salt=f"{salt}:{tc.task_name}")
         strategy = tc.produce_strategy.build(sync_weights_interval=interval)
@@ -218,11 +233,16 @@ class Evaluator:
         self.env = env
         self.eval_cfg = recipe.eval
         self.tasks, self.pools = build_tasks(env, recipe.eval.tasks, backend, salt="eval", eval_mode=True)
-        self.metrics = [m.build() for m in recipe.eval.evaluator.metrics]
+        self.metric_components = [m.build() for m in recipe.eval.evaluator.metrics]
         self.backend = backend
 
     def num_groups(self) -> int:
-        return sum(self._num_prompts(t.sampler) or len(t.sampler) for t in self.tasks)
+        """Eval prompts this rank rolls out."""
+        total = 0
+        for t in self.tasks:
+            n = self._num_prompts(t.sampler) or len(t.sampler)
+            total += len(range(rank(), n, world_size()))
+        return total
 
     def _num_prompts(self, sampler) -> int | None:
         ev = self.eval_cfg.evaluator
@@ -232,14 +252,12 @@ class Evaluator:
             return max(1, int(len(sampler) * ev.sample_ratio))
         return None
 
-    async def run(self, step: int, progress=None) -> tuple[dict[str, float], list[Sample]]:
-        from rlcli.evaluator import evaluate
-
+    async def run(self, step: int, progress=None) -> list[Sample]:
+        """Roll out and judge this rank's share of every eval task's prompts."""
         self.backend.resume()
-        out: dict[str, float] = {}
-        all_samples: list[Sample] = []
+        samples: list[Sample] = []
         for task in self.tasks:
-            groups = task.sampler.fixed_groups(self._num_prompts(task.sampler))
+            groups = task.sampler.fixed_groups(self._num_prompts(task.sampler), shard=(rank(), world_size()))
             for g in groups:  # eval seeds differ per step
                 for s in g:
                     s.tries = step
@@ -247,18 +265,29 @@ class Evaluator:
                 await fut
                 if progress is not None:
                     progress(1)
-            samples = [s for g in groups for s in g]
-            all_samples += samples
-            res = evaluate(samples, self.metrics)
-            prefix = "eval/" if len(self.tasks) == 1 else f"eval/{task.name}/"
-            out.update({prefix + k: v for k, v in res.items()})
-        if len(self.tasks) > 1:
-            for k, v in evaluate(all_samples, self.metrics).items():
-                out[f"eval/{k}"] = v
+            samples += [s for g in groups for s in g]
+        return samples
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """Evaluator metrics over all ranks' samples (``eval/<task>/...`` when there are several tasks)."""
+        from rlcli.evaluator import evaluate
+
+        out: dict[str, float] = {}
+        names = [t.name for t in self.tasks]
+        for name in names:
+            mine = sorted((s for s in samples if s.task_name == name), key=lambda s: s.uid)
+            prefix = "eval/" if len(names) == 1 else f"eval/{name}/"
+            out.update({prefix + k: v for k, v in evaluate(mine, self.metric_components).items()})
+        if len(names) > 1:
+            out.update({f"eval/{k}": v for k, v in evaluate(samples, self.metric_components).items()})
+        return out
+
+    def pop_judge_stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
         for pool in self.pools:
             for k, v in pool.pop_stats().items():
-                out[f"eval/{k}"] = v
-        return out, all_samples
+                out[f"eval/{k}"] = out.get(f"eval/{k}", 0.0) + v
+        return out
 
     def close(self) -> None:
         for p in self.pools:

@@ -35,7 +35,8 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
     evaluator = Evaluator(env, backend)
     loop = asyncio.new_event_loop()
     try:
-        metrics, samples = loop.run_until_complete(evaluator.run(step=0))
+        samples = loop.run_until_complete(evaluator.run(step=0))
+        metrics = {**evaluator.metrics(samples), **evaluator.pop_judge_stats()}
     finally:
         evaluator.close()
         backend.shutdown()

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlcli.dist import barrier, is_main, rank, world_size
+from rlcli.faults import fault_point
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -162,6 +163,7 @@ def save_checkpoint(
     else:
         state = {"model": get_model_state_dict(model)}
     dcp.save(state, checkpoint_id=str(tmp / "weights"))
+    fault_point(f"checkpoint:after_weights:{path.name}")
 
     rank_state = {"rng": capture_rng_state(), "scheduler": scheduler.state_dict() if scheduler is not None else None}
     torch.save(rank_state, tmp / f"rank-{rank()}.pt")

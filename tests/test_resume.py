@@ -1,0 +1,109 @@
+"""Resume is exact: a run SIGKILLed and auto-resumed ends identical to one never interrupted.
+
+Each run is a real `rlcli train` subprocess on the CPU. The kill is a real SIGKILL from outside
+(after a checkpoint is complete) or, to hit the middle of a checkpoint write, from the fault
+point inside the writer (`RLCLI_FAULT`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+RLCLI = [sys.executable, "-m", "rlcli.cli"]
+VOLATILE = ("time", "timing/", "judger/time_s", "train/step_time_s", "rollout/group_time")
+
+
+def base_args(repo: Path, work: Path, steps: int, strategy: str) -> list[str]:
+    args = [*RLCLI, "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
+            f"trainer.total_train_steps={steps}", "trainer.train_batch_size=20", "trainer.checkpoint_interval=4",
+            "trainer.checkpoint_maxkeep=-1", "trainer.evaluate_step=4", "trainer.auto_resume=true",
+            "eval.evaluator.sample_num=20", "resources.num_threads=1"]
+    if strategy == "async":
+        args += ["tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5, max_staleness: 1, "
+                 "enable_partial_rollout: true}", "replay_buffer.name=async"]
+    return args
+
+
+def stable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k != "time" and not any(p in k for p in VOLATILE[1:])}
+
+
+def metrics(work: Path) -> list[dict]:
+    return [stable(json.loads(x)) for x in (work / "metrics.jsonl").read_text().splitlines()]
+
+
+def weights(work: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(str(work / "hf" / f"step-{step}" / "model.safetensors"))
+
+
+def assert_same_run(a: Path, b: Path, step: int) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [r["step"] for r in ma] == [r["step"] for r in mb] == list(range(step + 1))
+    for ra, rb in zip(ma, mb):
+        assert ra == rb, {k: (ra.get(k), rb.get(k)) for k in set(ra) | set(rb) if ra.get(k) != rb.get(k)}
+    wa, wb = weights(a, step), weights(b, step)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+
+
+def run(args: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(repo, tmp_path_factory):
+    runs = {}
+    for strategy in ("sync", "async"):
+        work = tmp_path_factory.mktemp(f"full-{strategy}") / "run"
+        r = run(base_args(repo, work, 12, strategy))
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[strategy] = work
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["sync", "async"])
+def test_sigkill_after_checkpoint_then_resume_is_identical(repo, tmp_path, uninterrupted, strategy):
+    work = tmp_path / "run"
+    proc = subprocess.Popen(base_args(repo, work, 12, strategy), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    marker = work / "checkpoints" / "step-4" / "COMPLETE"
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, "no step-4 checkpoint in time"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (work / "hf" / "step-12").exists(), "the run finished before the kill; the test proves nothing"
+    r = run(base_args(repo, work, 12, strategy))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert_same_run(uninterrupted[strategy], work, 12)
+
+
+@pytest.mark.slow
+def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(repo, tmp_path, uninterrupted):
+    from rlcli.train.checkpoint import latest_checkpoint
+
+    work = tmp_path / "run"
+    r = run(base_args(repo, work, 12, "sync"), env={"RLCLI_FAULT": "checkpoint:after_weights:step-8"})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    assert (work / "checkpoints" / "step-8.tmp").is_dir()  # killed mid-write
+    assert not (work / "checkpoints" / "step-8").exists()
+    assert latest_checkpoint(work / "checkpoints") == work / "checkpoints" / "step-4"
+    r = run(base_args(repo, work, 12, "sync"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (work / "checkpoints" / "step-8.tmp").exists()
+    assert_same_run(uninterrupted["sync"], work, 12)
