@@ -1,8 +1,11 @@
 """Tokenizers: loading user tokenizers, and small built-in ones that need no download.
 
 ``builtin:arith`` is a character-level tokenizer for arithmetic toy tasks (digits, operators,
-space, lower-case letters) and ``builtin:digits`` a smaller one (digits and ``+-*=`` only); both
-have a chat template that concatenates message contents. It is saved
+space, lower-case letters), ``builtin:digits`` a smaller one (digits and ``+-*=`` only) and
+``builtin:calc`` the one of the tool-use toy (digits, ``+-*/%().=``, space and newline - the
+newline is its own token, so a model can end a turn with it; no letters, so a random model's
+guesses are spread over few tokens); all have a chat template that concatenates message
+contents. It is saved
 with the model so HF exports load with ``AutoTokenizer`` (llama model type) or
 ``PreTrainedTokenizerFast``.
 """
@@ -22,12 +25,14 @@ CHAT_TEMPLATE = (
 )
 
 
-def _char_tokenizer(chars: list[str]) -> PreTrainedTokenizerFast:
+def _char_tokenizer(chars: list[str], split: str = ".") -> PreTrainedTokenizerFast:
+    """One token per character of ``chars`` (others are ``<unk>``); ``split`` matches one character
+    (``"."`` does not match a newline, ``"[\\s\\S]"`` does)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {tok: i for i, tok in enumerate(_SPECIALS + chars)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(split), behavior="isolated")
     tok.decoder = decoders.Fuse()
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>", unk_token="<unk>"
@@ -39,6 +44,7 @@ def _char_tokenizer(chars: list[str]) -> PreTrainedTokenizerFast:
 BUILTIN_TOKENIZERS = {
     "arith": lambda: _char_tokenizer(_ARITH_CHARS),
     "digits": lambda: _char_tokenizer(list("0123456789+-*=")),
+    "calc": lambda: _char_tokenizer(list("0123456789+-*/%().= \n"), split=r"[\s\S]"),
 }
 
 
@@ -60,8 +66,10 @@ def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
     if not path.exists():
         raise FileNotFoundError(f"tokenizer directory not found: {path}")
     cfg_file = path / "tokenizer_config.json"
-    if cfg_file.exists() and json.loads(cfg_file.read_text()).get("rlcli_builtin"):
-        # AutoTokenizer may rebuild the pre-tokenizer for some model types; load the file as is.
+    tcfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+    if tcfg.get("rlcli_builtin") or tcfg.get("tokenizer_class") == "PreTrainedTokenizerFast":
+        # AutoTokenizer may rebuild the pre-tokenizer for some model types (e.g. qwen2 in
+        # transformers 5); a tokenizer that declares itself a plain fast tokenizer is loaded as is.
         tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
     else:
         tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)

@@ -1,0 +1,332 @@
+"""GRPO step benchmark on one GPU: rlcli (embedded engine) against TRL, on identical work.
+
+    python benchmarks/grpo_step.py --all --out results/            # everything below, in one process
+    python benchmarks/grpo_step.py --engine --rlcli                # skip TRL
+
+Work (the issue's reference workload): a random-init Qwen2.5-0.5B-shaped model (24 layers,
+hidden 896, 14/2 heads, vocab 151,936, tied embeddings) in bf16 with an offline word-level
+tokenizer; 64 prompts of 64 tokens × 8 samples × 256 new tokens (forced: EOS ignored), one
+optimizer step per batch, lr 1e-6, reward = response length mod 7 (as the TRL baseline).
+
+Sections:
+  --ceilings  bf16 matmul TFLOP/s and device copy TB/s (the roofline the MFU is relative to)
+  --engine    embedded engine alone: 512 sequences × 256 new tokens, generated tok/s
+  --rlcli     `ColocateRunner` steps: median and min-max step time, split rollout / train / sync,
+              generated tok/s, training MFU (6·N·T FLOPs), weight sync s/GB, peak GPU memory
+  --trl       TRL GRPOTrainer (transformers generate) on the same work, step times, peak memory
+Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
+split.png. A failing section prints its exact error and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SHAPE = dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864)
+PROMPTS, K, NEW, PROMPT_LEN = 64, 8, 256, 64
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+RESULTS: list[dict] = []
+
+
+def result(**kw) -> None:
+    RESULTS.append(kw)
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def make_model_dir(d: Path) -> Path:
+    """Random-init model + word-level tokenizer ("w0".."wN" are single tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    v = SHAPE["vocab"]
+    words = {f"w{i}": i for i in range(v - 3)}
+    words.update({"<unk>": v - 3, "<pad>": v - 2, "<eos>": v - 1})
+    tk = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(str(d))
+    cfg_file = d / "tokenizer_config.json"
+    tcfg = json.loads(cfg_file.read_text())
+    tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_file.write_text(json.dumps(tcfg))
+    cfg = Qwen2Config(vocab_size=v, hidden_size=SHAPE["hidden"], num_hidden_layers=SHAPE["layers"],
+                      num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"],
+                      intermediate_size=SHAPE["inter"], max_position_embeddings=4096, tie_word_embeddings=True,
+                      eos_token_id=v - 1, pad_token_id=v - 2, bos_token_id=None)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=DTYPE).save_pretrained(str(d))
+    return d
+
+
+def write_prompts(path: Path, n: int, seed: int = 1) -> Path:
+    g = torch.Generator().manual_seed(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            words = " ".join(f"w{int(x)}" for x in torch.randint(0, SHAPE["vocab"] - 3, (PROMPT_LEN,), generator=g))
+            f.write(json.dumps({"data_source": "bench", "prompt": words, "reward_model": {"ground_truth": "0"}}) + "\n")
+    return path
+
+
+def n_params(model_dir: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return sum(p.numel() for p in m.parameters())
+
+
+def ceilings() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    torch.cuda.synchronize()
+    tflops = 2 * 8192**3 / ((time.perf_counter() - t) / 10) / 1e12
+    result(what="ceilings", bf16_matmul_tflops=round(tflops, 1))
+    del a, b
+    torch.cuda.empty_cache()
+    return tflops
+
+
+def engine(model_dir: Path) -> None:
+    import asyncio
+
+    from rlcli.backends.base import BackendContext, GenerateRequest
+    from rlcli.backends.embedded import EmbeddedBackend
+    from rlcli.types import SampleParams
+
+    ctx = BackendContext(model_dir=str(model_dir), device=torch.device(DEVICE), dtype=DTYPE,
+                         eos_token_ids=[SHAPE["vocab"] - 1], seed=0)
+    be = EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=512, max_model_len=512), ctx)
+    params = SampleParams(max_tokens=NEW, min_tokens=NEW, ignore_eos=True, temperature=1.0)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, SHAPE["vocab"] - 3, (PROMPT_LEN,), generator=g).tolist() for _ in range(512 // K)]
+
+    async def once() -> float:
+        t = time.perf_counter()
+        reqs = [GenerateRequest(prompt_ids=p, params=params, seed=i * K + j) for i, p in enumerate(prompts) for j in range(K)]
+        outs = await asyncio.gather(*(be.generate(r) for r in reqs))
+        dt = time.perf_counter() - t
+        assert all(len(o.token_ids) == NEW for o in outs)
+        return dt
+
+    loop = asyncio.new_event_loop()
+    times = [loop.run_until_complete(once()) for _ in range(3)]
+    result(what="engine", engine="embedded", sequences=512, new_tokens=NEW, seconds=[round(t, 3) for t in times],
+           tok_per_s=round(512 * NEW / min(times[1:]), 0), peak_gib=peak_gib())
+    be.shutdown()
+    loop.close()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def peak_gib() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None
+
+
+def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float) -> None:
+    from rlcli import hookimpl
+    from rlcli.config import validate_recipe
+    from rlcli.judgers.base import Judger
+    from rlcli.plugins import registry_with
+    from rlcli.runner.colocate import ColocateRunner
+
+    class LengthMod7(Judger):
+        """Benchmark reward: response length mod 7 (as the TRL baseline)."""
+
+        name = "bench_len_mod7"
+
+        def judge(self, response, label, sample):
+            return float(len(response) % 7)
+
+    class Plugin:
+        @hookimpl
+        def register_judgers(self):
+            return [LengthMod7]
+
+    raw = {
+        "model": {"path": str(model_dir), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
+        "trainer": {"total_train_steps": steps, "train_batch_size": PROMPTS, "enable_evaluate": False,
+                    "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(work), "log_every": 1},
+        "resources": {"device": DEVICE},
+        "rollout": {"name": "embedded", "max_batch_size": PROMPTS * K, "max_model_len": 512},
+        "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
+                         "max_grad_norm": 1.0},
+        "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": K},
+                   "agent_loop": {"name": "single_turn", "sample_params": {
+                       "max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}},
+                   "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
+    }
+    rec = validate_recipe(raw, registry=registry_with(Plugin()))
+    runner = ColocateRunner(rec, quiet=True, overwrite=True)
+    rows = []
+    orig_log = runner.log
+
+    def log(step, metrics, groups=None):
+        out = orig_log(step, metrics, groups)
+        rows.append(out)
+        if step == 1 and DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        return out
+
+    runner.log = log
+    try:
+        runner.fit()
+    finally:
+        runner.close()
+    measured = rows[1:]  # step 1 warms up (CUDA graphs, allocator)
+    step_s = [r["timing/step_s"] for r in measured]
+    roll = [r["timing/rollout_s"] for r in measured]
+    train = [r["timing/train_s"] for r in measured]
+    sync = [r["timing/sync_s"] for r in measured]
+    tokens = PROMPTS * K * (PROMPT_LEN + NEW)
+    flops = 6 * n_params(model_dir) * tokens
+    gb = measured[-1].get("sync/bytes", 0) / 1e9
+    result(what="rlcli", backend="embedded", steps_measured=len(measured),
+           step_s_median=round(statistics.median(step_s), 3), step_s_min=round(min(step_s), 3),
+           step_s_max=round(max(step_s), 3), rollout_s=round(statistics.median(roll), 3),
+           train_s=round(statistics.median(train), 3), sync_s=round(statistics.median(sync), 4),
+           gen_tok_per_s=round(PROMPTS * K * NEW / statistics.median(roll), 0),
+           train_mfu=round(flops / statistics.median(train) / (peak_tflops * 1e12), 3),
+           sync_s_per_gb=round(statistics.median(sync) / gb, 4) if gb else None, peak_gib=peak_gib())
+
+
+def trl_steps(model_dir: Path, steps: int) -> None:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    g = torch.Generator().manual_seed(1)
+    prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, SHAPE["vocab"] - 3, (PROMPT_LEN,), generator=g))
+               for _ in range(PROMPTS * (steps + 2))]
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+
+    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=PROMPTS * K // 8,
+                     gradient_accumulation_steps=8, num_generations=K, max_completion_length=NEW,
+                     max_steps=steps + 1, learning_rate=1e-6, bf16=DEVICE == "cuda", use_cpu=DEVICE == "cpu", logging_steps=1, report_to="none",
+                     save_strategy="no", temperature=1.0, beta=0.0, use_vllm=False, gradient_checkpointing=False)
+    if DEVICE == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c) % 7) for c in completions],
+                          args=cfg, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
+    trainer.add_callback(Timer())
+    trainer.train()
+    measured = times[1:]
+    result(what="trl", version=__import__("trl").__version__, steps_measured=len(measured),
+           step_s_median=round(statistics.median(measured), 3), step_s_min=round(min(measured), 3),
+           step_s_max=round(max(measured), 3), peak_gib=peak_gib())
+    del trainer, model
+
+
+def write_outputs(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    import transformers
+
+    gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (smoke test)"
+    env = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
+           "transformers": transformers.__version__}
+    (out / "results.json").write_text(json.dumps({"env": env, "results": RESULTS}, indent=2))
+    by = {r["what"]: r for r in RESULTS if "error" not in r}
+    lines = [f"{env['date']}, {env['gpu']}, torch {env['torch']}, transformers {env['transformers']}", "",
+             "| framework | step median (s) | min-max (s) | rollout (s) | train (s) | sync (s) | gen tok/s | MFU | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if "rlcli" in by:
+        r = by["rlcli"]
+        lines.append(f"| rlcli (embedded) | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
+                     f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r['train_mfu']} | {r['peak_gib']} |")
+    if "trl" in by:
+        r = by["trl"]
+        lines.append(f"| TRL {r['version']} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | - | - | - | - | - | {r['peak_gib']} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    if "rlcli" in by:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        r = by["rlcli"]
+        fig, ax = plt.subplots(figsize=(6, 2.2))
+        left = 0.0
+        for key, color in (("rollout_s", "#4c72b0"), ("train_s", "#dd8452"), ("sync_s", "#55a868")):
+            ax.barh(["rlcli"], [r[key]], left=left, color=color, label=key[:-2])
+            left += r[key]
+        if "trl" in by:
+            ax.barh(["TRL"], [by["trl"]["step_s_median"]], color="#8172b3", label="TRL step")
+        ax.set_xlabel("seconds per GRPO step (median)")
+        ax.legend(loc="lower right", fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "split.png", dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    for flag in ("ceilings", "engine", "rlcli", "trl", "all"):
+        ap.add_argument(f"--{flag}", action="store_true")
+    ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
+    args = ap.parse_args()
+    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN
+    if args.tiny:
+        SHAPE.update(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128)
+        DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
+        args.ceilings = False
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    if args.all:
+        args.ceilings = args.engine = args.rlcli = args.trl = True
+    root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
+    model_dir = make_model_dir(root / "model")
+    data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
+    peak = 787.0
+    sections = [("ceilings", lambda: ceilings()), ("engine", lambda: engine(model_dir)),
+                ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, peak)),
+                ("trl", lambda: trl_steps(model_dir, args.steps))]
+    for name, fn in sections:
+        if not getattr(args, name):
+            continue
+        try:
+            t = time.perf_counter()
+            value = fn()
+            if name == "ceilings":
+                peak = value
+            print(f"[{name}] done in {time.perf_counter() - t:.1f}s", flush=True)
+        except Exception:
+            result(what=name, error=traceback.format_exc()[-2000:])
+    if args.out:
+        write_outputs(args.out)
+
+
+if __name__ == "__main__":
+    main()
