@@ -208,6 +208,21 @@ def data_arith(out_dir: str) -> None:
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
+@data.command("tool-arith")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--train", "n_train", type=click.IntRange(min=1), default=1000, show_default=True,
+              help="Training problems.")
+@click.option("--test", "n_test", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Held-out problems (no operand pair in common with training).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Generator seed.")
+def data_tool_arith(out_dir: str, n_train: int, n_test: int, seed: int) -> None:
+    """Write the tool-use toy task (products of 2-3 digit numbers) as RL JSONL into OUT_DIR."""
+    from rlcli.data.tool_arith import write_tool_arith
+
+    paths = write_tool_arith(out_dir, n_train, n_test, seed)
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
 @cli.command()
 @click.argument("work_dirs", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False),
@@ -228,6 +243,9 @@ def report(work_dirs: tuple[str, ...], out: str | None) -> None:
     except ReportError as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
+    except OSError as exc:
+        click.secho(f"cannot write the report: {exc}", fg="red", err=True)
+        sys.exit(1)
     click.echo(f"wrote {path}")
 
 
