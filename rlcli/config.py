@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 from rlcli.overrides import OverrideError, apply_overrides
 from rlcli.plugins import PluginError, Registry, get_registry
@@ -150,6 +150,63 @@ class FSDPConfig(Strict):
     torch_compile: bool = Field(False, description="torch.compile each decoder layer.")
 
 
+class KLConfig(Strict):
+    """KL penalty to a frozen reference model (the initial policy)."""
+
+    coef: float = Field(0.0, ge=0, description="Weight of the per-token KL term in the loss; 0 disables it and "
+                        "no reference model is loaded.")
+    type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = Field(
+        "low_var_kl", description="Estimator of KL(policy || reference) per sampled token: k1 = logp - ref, "
+        "k2 = (logp - ref)^2 / 2, abs = |logp - ref|, k3 = low_var_kl = exp(ref - logp) - (ref - logp) - 1 "
+        "(difference clamped to +-20, value to +-10).")
+    ref_offload: bool = Field(False, description="Keep the reference model's shards in CPU memory and move them "
+                              "to the GPU layer by layer when its logprobs are computed (no effect on CPU).")
+
+
+class RolloutISConfig(Strict):
+    """Rollout/training mismatch correction: truncated (TIS) or masked (MIS) importance sampling."""
+
+    level: Literal["token", "sequence", "geometric"] = Field(
+        "token", description="IS weight from old - rollout logprobs: per token, exp of the sequence sum, or exp "
+        "of the sequence mean (every token of a sequence then shares one weight).")
+    mode: Literal["truncate", "mask", "both"] = Field(
+        "truncate", description="truncate: clamp weights to [threshold_lower, threshold_upper]; mask: drop tokens "
+        "whose weight is outside [mask_lower, mask_upper] and weight the rest; both: mask, then truncate.")
+    threshold_upper: float | None = Field(None, gt=0, description="Truncation: weights above are clamped to it; "
+                                          "null (with threshold_lower null): no truncation.")
+    threshold_lower: float | None = Field(None, ge=0, description="Truncation: weights below are raised to it; "
+                                          "null: no lower clamp.")
+    mask_upper: float | None = Field(None, gt=0, description="Masking: tokens with a larger weight are dropped "
+                                     "(default: threshold_upper).")
+    mask_lower: float | None = Field(None, ge=0, description="Masking: tokens with a smaller weight are dropped "
+                                     "(default: threshold_lower).")
+    veto_upper: float | None = Field(None, gt=0, description="A sequence with any token ratio above it is dropped "
+                                     "whole (any mode); null: no upper veto.")
+    veto_lower: float | None = Field(None, ge=0, description="A sequence with any token ratio below it is dropped "
+                                     "whole (any mode); null or 0: no lower veto.")
+
+    @model_validator(mode="after")
+    def _check_bands(self):
+        for band, (lo, hi) in self.bands().items():
+            if lo is not None and hi is not None and not hi > lo:
+                names = {"threshold": ("threshold_lower", "threshold_upper"),
+                         "mask": ("mask_lower" if self.mask_lower is not None else "threshold_lower",
+                                  "mask_upper" if self.mask_upper is not None else "threshold_upper"),
+                         "veto": ("veto_lower", "veto_upper")}[band]
+                raise ValueError(f"{names[1]}={hi} must be greater than {names[0]}={lo} (the {band} band "
+                                 f"keeps weights in [{names[0]}, {names[1]}])")
+        return self
+
+    def bands(self) -> dict[str, tuple[float | None, float | None]]:
+        """``(lower, upper)`` of the threshold, mask and veto bands (mask bounds default to the threshold's)."""
+        return {
+            "threshold": (self.threshold_lower, self.threshold_upper),
+            "mask": (self.mask_lower if self.mask_lower is not None else self.threshold_lower,
+                     self.mask_upper if self.mask_upper is not None else self.threshold_upper),
+            "veto": (self.veto_lower, self.veto_upper),
+        }
+
+
 class TrainWorkerConfig(Strict):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = Field(default_factory=LRSchedulerConfig)
@@ -165,6 +222,11 @@ class TrainWorkerConfig(Strict):
         description="How a pack is run: one row with restarting position ids (packed), one right-padded row "
         "per sequence (padded), or whichever costs less for the model's attention (auto).",
     )
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the frozen initial policy: "
+                         "{coef, type, ref_offload}; coef 0 (the default) disables it.")
+    rollout_is: RolloutISConfig | None = Field(
+        None, description="Correct the rollout/training logprob mismatch with importance sampling; null: off. "
+        "{} reports the mismatch/* metrics without changing the loss.")
 
 
 # ----------------------------------------------------------------------------------- tasks

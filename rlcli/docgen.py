@@ -70,7 +70,8 @@ def recipe_reference() -> str:
         ("model", c.ModelConfig), ("model.from_scratch", c.FromScratch), ("trainer", c.TrainerConfig),
         ("resources", c.ResourcesConfig), ("train_worker", c.TrainWorkerConfig),
         ("train_worker.optimizer", c.OptimizerConfig), ("train_worker.lr_scheduler", c.LRSchedulerConfig),
-        ("train_worker.fsdp", c.FSDPConfig), ("tasks[]", c.TaskConfig), ("eval", c.EvalConfig),
+        ("train_worker.fsdp", c.FSDPConfig), ("train_worker.kl", c.KLConfig),
+        ("train_worker.rollout_is", c.RolloutISConfig), ("tasks[]", c.TaskConfig), ("eval", c.EvalConfig),
         ("eval.evaluator", c.EvaluatorConfig), ("sample_params (of agent loops)", SampleParams),
     ]
     out = [BEGIN, "", "## Sections", ""]

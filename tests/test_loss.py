@@ -1,15 +1,17 @@
-"""Policy losses against hand-written reference formulas (XTuner acceptance 45, 46)."""
+"""Policy losses against hand-written reference formulas (XTuner acceptance 45, 46, 47)."""
 
 from __future__ import annotations
 
 import math
 import random
+from typing import ClassVar
 
 import pytest
 import torch
 from pydantic import ValidationError
 
-from rlcli.algo.loss import GSPOPolicyLoss, VanillaPolicyLoss, aggregation_weights
+from rlcli import hookimpl
+from rlcli.algo.loss import GSPOPolicyLoss, PolicyLoss, VanillaPolicyLoss, aggregation_weights
 from rlcli.plugins import get_registry
 
 
@@ -169,3 +171,52 @@ def test_config_validation():
     with pytest.raises(ValidationError):
         VanillaPolicyLoss.Config(cliprange_low=0.2)
     assert VanillaPolicyLoss.Config(clip_ratio_c=None).clip_ratio_c is None
+
+
+# ------------------------------------------------------------------ acceptance 47: choosing a loss
+def _quickstart(repo, **loss):
+    import yaml
+
+    raw = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
+    raw["train_worker"]["loss"] = loss
+    return raw
+
+
+def test_unknown_loss_and_xtuner_keys_are_rejected_with_the_supported_names(repo):
+    from rlcli.config import RecipeError, validate_recipe
+
+    with pytest.raises(RecipeError, match=r"loss.name: unknown policy_loss 'ppo'; available: gspo, vanilla"):
+        validate_recipe(_quickstart(repo, name="ppo"), base_dir=repo / "recipes")
+    # XTuner's key names are not silently ignored
+    with pytest.raises(RecipeError, match=r"cliprange_low: unknown key \(did you mean 'clip_low'\?\)"):
+        validate_recipe(_quickstart(repo, name="vanilla", cliprange_low=0.2), base_dir=repo / "recipes")
+
+
+class ReinforceLoss(PolicyLoss):
+    """REINFORCE without a ratio: -A * logp (a third-party loss for the plugin test)."""
+
+    name: ClassVar[str] = "reinforce_test"
+
+    def per_token_loss(self, logp, old_logp, adv, mask, seq_ids=None):
+        return torch.where(mask.bool(), -adv * logp, 0.0), {}
+
+
+class LossPlugin:
+    """XTuner loads a custom loss function from a dotted path; rlcli from a plugin, chosen by name."""
+
+    @hookimpl
+    def register_policy_losses(self):
+        return [ReinforceLoss]
+
+
+def test_a_plugin_loss_is_chosen_by_name(repo):
+    from rlcli.config import validate_recipe
+    from rlcli.plugins import registry_with
+
+    rec = validate_recipe(_quickstart(repo, name="reinforce_test"), registry=registry_with(LossPlugin()),
+                          base_dir=repo / "recipes")
+    loss_fn = rec.train_worker.loss.build()
+    assert isinstance(loss_fn, ReinforceLoss) and loss_fn.loss_agg == "token-mean"
+    out, _ = loss_fn.per_token_loss(torch.tensor([-1.0, -2.0]), torch.zeros(2), torch.tensor([2.0, 1.0]),
+                                    torch.tensor([True, False]))
+    assert out.tolist() == [2.0, 0.0]

@@ -1,4 +1,5 @@
-"""TrainWorker: FSDP2 training steps, NaN guard, logprobs, weight export, LR schedules, 2 ranks."""
+"""TrainWorker: FSDP2 training steps, KL to the reference, rollout IS, NaN guard, logprobs, weight export,
+LR schedules, 2 ranks."""
 
 from __future__ import annotations
 
@@ -184,6 +185,242 @@ def test_too_long_sequence_is_rejected(model_dir):
         w.train_step([TrainSequence([5, 6, 7, 8], [9, 10], [1, 1], None, 1.0)])
 
 
+# ------------------------------------------------------------------ KL to the reference model
+def _kl_ref(kind: str, lp: float, ref: float) -> float:
+    """XTuner §8.6's estimators, written out (acceptance 48)."""
+    if kind == "k1":
+        return lp - ref
+    if kind == "k2":
+        return 0.5 * (lp - ref) ** 2
+    if kind == "abs":
+        return abs(lp - ref)
+    d = min(max(ref - lp, -20.0), 20.0)
+    return min(max(math.exp(d) - d - 1.0, -10.0), 10.0)
+
+
+def test_kl_off_loads_no_reference(model_dir):
+    w = make_worker(model_dir)
+    m = w.train_step(make_batch(n=8))
+    assert w.ref_model is None and "train/kl_ref" not in m
+    assert not any(k.startswith("mismatch/") for k in m)
+    evaluating = make_worker(model_dir, kl={"coef": 0.1})
+    evaluating.compute_logprobs(make_batch(n=4))
+    assert evaluating.ref_model is None  # built on the first train step only
+
+
+@pytest.mark.parametrize("ref_offload", [False, True])  # offloading is a no-op on CPU
+def test_kl_is_zero_at_the_start_and_k3_leaves_the_first_update_unchanged(model_dir, ref_offload):
+    seqs = make_batch(n=16, seed=6)
+    a, b = make_worker(model_dir), make_worker(model_dir, kl={"coef": 0.5, "type": "k3", "ref_offload": ref_offload})
+    ma, mb = a.train_step(seqs), b.train_step(seqs)
+    assert mb["train/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the reference is the initial policy
+    assert ma["train/loss"] == pytest.approx(mb["train/loss"], abs=1e-6)
+    assert_same_update(state(a), state(b))  # k3's gradient vanishes where policy == reference
+
+
+@pytest.mark.parametrize("kind,loss", [("k1", "vanilla"), ("k3", "vanilla"), ("k2", "gspo")])
+def test_kl_term_matches_reference_with_the_policy_normalisation(model_dir, kind, loss):
+    coef = 0.3
+    policy_loss = GSPOPolicyLoss() if loss == "gspo" else VanillaPolicyLoss()
+    w = make_worker(model_dir, loss=policy_loss, kl={"coef": coef, "type": kind})
+    seqs = make_batch(n=24, seed=8)
+    seqs[2].response_mask[0] = 0  # a masked token is neither in the KL mean nor in the normaliser
+    w.train_step(seqs)  # move away from the reference
+    cur = w.compute_logprobs(seqs)
+    init = make_worker(model_dir).compute_logprobs(seqs)  # a fresh worker holds the reference weights
+    m = w.train_step(seqs)
+    per_seq = [[(_kl_ref(kind, a, b), s.advantage) for a, b, keep in zip(c, r, s.response_mask) if keep]
+               for s, c, r in zip(seqs, cur, init)]
+    toks = [t for ts in per_seq for t in ts]
+    assert m["train/kl_ref"] == pytest.approx(sum(k for k, _ in toks) / len(toks), abs=1e-5)
+    # optimizer_steps=1: the ratio is 1, so the policy term is -A; the KL term is added per token
+    # with the policy loss's weights (token-mean for vanilla, seq-mean-token-mean for gspo)
+    if loss == "vanilla":
+        expected = sum(-a + coef * k for k, a in toks) / len(toks)
+    else:
+        expected = sum(sum(-a + coef * k for k, a in ts) / len(ts) for ts in per_seq) / len(per_seq)
+    assert m["train/loss"] == pytest.approx(expected, abs=1e-5)
+
+
+def test_large_kl_coef_keeps_the_policy_near_the_reference(model_dir):
+    seqs = make_batch(n=32, seed=10)
+    init = make_worker(model_dir).compute_logprobs(seqs)
+
+    def drift(**cfg) -> tuple[float, dict]:
+        w = make_worker(model_dir, **cfg)
+        for _ in range(4):
+            m = w.train_step(seqs)
+        diffs = [abs(a - b) for x, y in zip(w.compute_logprobs(seqs), init) for a, b in zip(x, y)]
+        return sum(diffs) / len(diffs), m
+
+    free, _ = drift()
+    weak, m_weak = drift(kl={"coef": 0.01, "type": "k3"})
+    strong, m_strong = drift(kl={"coef": 5.0, "type": "k3"})
+    assert strong < 0.25 * free and strong < 0.25 * weak
+    assert m_strong["train/kl_ref"] < 0.25 * m_weak["train/kl_ref"]
+
+
+def test_kl_reference_is_frozen_and_not_checkpointed(model_dir, tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    cfg = dict(kl={"coef": 0.2, "type": "k2"}, optimizer_steps=2)
+    batches = [make_batch(n=12, seed=20 + i) for i in range(4)]
+    a = make_worker(model_dir, **cfg)
+    a.train_step(batches[0])
+    a.train_step(batches[1])
+    path = a.save_checkpoint(tmp_path / "kl", {"step": 2})
+    expected = [{k: v for k, v in a.train_step(b).items() if k != "train/step_time_s"} for b in batches[2:]]
+    # the reference still holds the initial weights
+    plain = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
+    ref = {k.removeprefix("lm."): v.full_tensor() for k, v in a.ref_model.state_dict().items()}
+    assert set(ref) == set(plain) and all(torch.equal(ref[k], plain[k]) for k in plain)
+    # the checkpoint holds exactly what it holds without KL: the reference is re-read from the model dir
+    no_kl = make_worker(model_dir, optimizer_steps=2)
+    no_kl.train_step(batches[0])
+    plain_ckpt = no_kl.save_checkpoint(tmp_path / "plain", {"step": 1})
+    keys = [set(dcp.FileSystemReader(str(p / "weights")).read_metadata().state_dict_metadata)
+            for p in (path, plain_ckpt)]
+    assert keys[0] == keys[1]
+    b = make_worker(model_dir, **cfg)
+    assert b.load_checkpoint(path) == {"step": 2}
+    got = [{k: v for k, v in b.train_step(x).items() if k != "train/step_time_s"} for x in batches[2:]]
+    assert got == expected  # bit-identical resume, KL included
+
+
+@pytest.mark.gpu
+def test_kl_ref_offload_on_cuda(model_dir):
+    seqs = make_batch(n=16, seed=6)
+
+    def run(offload: bool):
+        w = TrainWorker(model_dir, ModelConfig(), TrainWorkerConfig(
+            optimizer={"lr": 1e-2}, kl={"coef": 0.5, "type": "k2", "ref_offload": offload}), VanillaPolicyLoss(),
+            device="cuda", seed=0, total_steps=10)
+        return w, [w.train_step(seqs) for _ in range(3)]
+
+    on_gpu, ma = run(False)
+    offloaded, mb = run(True)
+    assert all(p.to_local().device.type == "cuda" for p in on_gpu.ref_model.parameters())
+    assert all(p.to_local().device.type == "cpu" for p in offloaded.ref_model.parameters())  # shards stay on CPU
+    assert all(p.dtype == on_gpu.param_dtype and not p.requires_grad for p in offloaded.ref_model.parameters())
+    for a, b in zip(ma, mb):
+        assert a["train/kl_ref"] == pytest.approx(b["train/kl_ref"], rel=1e-3, abs=1e-6)
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-3, abs=1e-6)
+    assert ma[-1]["train/kl_ref"] > 0
+
+
+# ---------------------------------------------------------------- rollout importance sampling
+def _set_rollout_logprobs(model_dir, seqs, shifts: dict[int, float]) -> None:
+    """Rollout logprobs equal to the trainer's, minus ``shifts[i]`` for sequence ``i`` (IS ratio e^shift)."""
+    lps = make_worker(model_dir).compute_logprobs(seqs)
+    for i, s in enumerate(seqs):
+        s.rollout_logprobs = [lp - shifts.get(i, 0.0) for lp in lps[i]]
+
+
+def test_rollout_is_mask_drops_mismatched_tokens(model_dir):
+    seqs = make_batch(n=16, seed=12)
+    far = {1, 4, 5, 10}
+    _set_rollout_logprobs(model_dir, seqs, {i: 3.0 for i in far})  # ratio e^3 ~ 20, far outside [0.5, 2]
+    w = make_worker(model_dir, rollout_is={"mode": "mask", "threshold_upper": 2.0, "threshold_lower": 0.5})
+    m = w.train_step(seqs)
+    near = [s for i, s in enumerate(seqs) if i not in far]
+    ref = make_worker(model_dir)
+    mr = ref.train_step(near)
+    n_far = sum(len(seqs[i].response_ids) for i in far)
+    assert m["train/tokens"] == mr["train/tokens"] == sum(len(s.response_ids) for s in near)
+    assert m["train/sequences"] == len(near)
+    assert m["mismatch/masked_frac"] == pytest.approx(n_far / (n_far + m["train/tokens"]))
+    assert m["mismatch/is_max"] == pytest.approx(math.exp(3.0), rel=1e-4)
+    # the dropped tokens are as absent: same loss and update as training on the kept sequences alone
+    assert m["train/loss"] == pytest.approx(mr["train/loss"], abs=1e-6)
+    assert_same_update(state(w), state(ref))
+
+
+def test_rollout_is_truncate_clamps_mismatched_weights(model_dir):
+    seqs = make_batch(n=16, seed=13)
+    far = {0, 3, 7}
+    _set_rollout_logprobs(model_dir, seqs, {i: 3.0 for i in far})
+    w = make_worker(model_dir, rollout_is={"threshold_upper": 2.0, "threshold_lower": 0.5})
+    m = w.train_step(seqs)
+    # weight e^3 is truncated to 2, near weights are 1: as if the far sequences had twice the advantage
+    doubled = [TrainSequence(s.prompt_ids, s.response_ids, s.response_mask, s.rollout_logprobs,
+                             s.advantage * (2.0 if i in far else 1.0), s.temperature, s.seq_id)
+               for i, s in enumerate(seqs)]
+    ref = make_worker(model_dir)
+    mr = ref.train_step(doubled)
+    n_far = sum(len(seqs[i].response_ids) for i in far)
+    assert m["train/tokens"] == mr["train/tokens"] == sum(len(s.response_ids) for s in seqs)
+    assert m["mismatch/truncated_frac"] == pytest.approx(n_far / m["train/tokens"])
+    assert m["mismatch/masked_frac"] == 0.0
+    assert m["train/loss"] == pytest.approx(mr["train/loss"], abs=1e-6)
+    assert_same_update(state(w), state(ref))
+    # truncation alone computes its weights from the training forward; with a mask band the old
+    # logprobs come from a separate pass first: a band that drops nothing gives the same update
+    both = make_worker(model_dir, rollout_is={"mode": "both", "threshold_upper": 2.0, "threshold_lower": 0.5,
+                                              "mask_upper": 1e6, "mask_lower": 0.0})
+    mb = both.train_step(seqs)
+    assert mb["train/loss"] == pytest.approx(m["train/loss"], abs=1e-6)
+    assert mb["mismatch/truncated_frac"] == m["mismatch/truncated_frac"]
+    assert_same_update(state(w), state(both))
+
+
+def test_rollout_is_veto_drops_the_whole_sequence(model_dir):
+    seqs = make_batch(n=12, seed=14)
+    i = next(j for j, s in enumerate(seqs) if len(s.response_ids) >= 2)
+    _set_rollout_logprobs(model_dir, seqs, {})
+    seqs[i].rollout_logprobs[1] -= 5.0  # one token with ratio e^5 ~ 148
+    w = make_worker(model_dir, rollout_is={"veto_upper": 100.0})
+    m = w.train_step(seqs)
+    ref = make_worker(model_dir)
+    mr = ref.train_step(seqs[:i] + seqs[i + 1:])
+    assert m["train/tokens"] == mr["train/tokens"] == sum(len(s.response_ids) for s in seqs) - len(seqs[i].response_ids)
+    assert m["mismatch/veto_frac"] == pytest.approx(1 / 12)
+    assert m["train/loss"] == pytest.approx(mr["train/loss"], abs=1e-6)
+    assert_same_update(state(w), state(ref))
+
+
+def test_rollout_is_dropping_everything_is_a_no_op(model_dir):
+    seqs = make_batch(n=8, seed=16)
+    _set_rollout_logprobs(model_dir, seqs, {i: -4.0 for i in range(8)})  # every ratio e^-4 < 0.5
+    w = make_worker(model_dir, rollout_is={"mode": "mask", "threshold_upper": 2.0, "threshold_lower": 0.5},
+                    kl={"coef": 0.1})
+    before = state(w)
+    m = w.train_step(seqs)
+    assert m["train/tokens"] == 0 and m["train/loss"] == 0.0 and m["train/skipped_steps"] == 0
+    assert m["mismatch/masked_frac"] == 1.0 and m["train/kl_ref"] == 0.0
+    after = state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_rollout_is_without_thresholds_only_reports(model_dir):
+    seqs = make_batch(n=12, seed=15)  # rollout logprobs -3.5: a real mismatch
+    before = make_worker(model_dir).compute_logprobs(seqs)
+    a, b = make_worker(model_dir), make_worker(model_dir, rollout_is={})
+    ma, mb = a.train_step(seqs), b.train_step(seqs)
+    assert_same_update(state(a), state(b))
+    assert ma["train/loss"] == pytest.approx(mb["train/loss"], abs=1e-7)
+    d = [lp + 3.5 for lps in before for lp in lps]  # old - rollout
+    assert mb["mismatch/kl"] == pytest.approx(sum(-x for x in d) / len(d), abs=1e-5)
+    assert mb["mismatch/logprob_abs_diff"] == pytest.approx(mb["train/rollout_logprob_diff"], abs=1e-6)
+    assert mb["mismatch/is_mean"] == pytest.approx(sum(math.exp(x) for x in d) / len(d), rel=1e-5)
+    assert mb["mismatch/masked_frac"] == 0.0 and mb["mismatch/veto_frac"] == 0.0
+    assert 0 < mb["mismatch/ess"] <= 1
+
+
+def test_old_logprob_pass_runs_only_when_needed(model_dir, monkeypatch):
+    calls = []
+    original = TrainWorker._old_logprobs
+    monkeypatch.setattr(TrainWorker, "_old_logprobs", lambda self, *a: calls.append(1) or original(self, *a))
+    cases = [({}, 0), ({"kl": {"coef": 0.1}}, 0), ({"rollout_is": {}}, 0),
+             ({"rollout_is": {"threshold_upper": 2.0}}, 0),
+             ({"rollout_is": {"threshold_upper": 2.0, "mode": "mask"}}, 1), ({"rollout_is": {"veto_upper": 50.0}}, 1),
+             ({"optimizer_steps": 2}, 1)]
+    for cfg, expected in cases:
+        calls.clear()
+        make_worker(model_dir, **cfg).train_step(make_batch(n=6))
+        assert len(calls) == expected, cfg
+
+
 # ---------------------------------------------------------------------------- weights
 @pytest.mark.parametrize("which", ["tied", "untied"])
 def test_iter_weights_names_values_and_buckets(model_dir, untied_dir, which):
@@ -279,10 +516,12 @@ def test_scheduler_warmup_ratio_and_state():
 
 
 # ----------------------------------------------------------------------------- 2 ranks
+CORRECTED = dict(kl={"coef": 0.5, "type": "k2"},
+                 rollout_is={"mode": "mask", "threshold_upper": 1.6, "threshold_lower": 0.6})
 _TWO_RANK_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_train_worker import make_batch, make_worker
+    from test_train_worker import CORRECTED, make_batch, make_worker
     from rlcli.dist import destroy, rank
     w = make_worker({model_dir!r}, pack_max_length=24)
     seqs = make_batch(n=30, seed=9)
@@ -292,8 +531,11 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
     sd = w.full_state_dict()
     # several optimizer steps per batch: an old-logprob pass and per-mini-batch collectives
     multi = make_worker({model_dir!r}, pack_max_length=24, optimizer_steps=2).train_step(mine)
+    # KL to the reference and masked IS: the kept-token normaliser is global
+    corr = make_worker({model_dir!r}, pack_max_length=24, **CORRECTED)
+    corrected = [corr.train_step(mine) for _ in range(2)]
     if rank() == 0:
-        torch.save({{"metrics": metrics, "state": sd}}, {out!r})
+        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected}}, {out!r})
     torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
     destroy()
 """)
@@ -330,3 +572,9 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
     assert r0["multi"] == {k: pytest.approx(v) for k, v in r1["multi"].items() if k != "train/step_time_s"} | {
         "train/step_time_s": r0["multi"]["train/step_time_s"]}
     assert r0["multi"]["train/skipped_steps"] == 0 and r0["multi"]["train/tokens"] == ref[0]["train/tokens"]
+    corr = make_worker(model_dir, pack_max_length=24, **CORRECTED)
+    for a, b in zip(got["corrected"], [corr.train_step(seqs) for _ in range(2)]):
+        assert 0 < b["train/tokens"] < ref[0]["train/tokens"] and b["train/kl_ref"] >= 0  # some tokens masked
+        for key in ("train/loss", "train/grad_norm", "train/tokens", "train/sequences", "train/kl_ref",
+                    "mismatch/masked_frac", "mismatch/kl", "mismatch/is_max", "mismatch/log_ppl_diff", "mismatch/ess"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key

@@ -5,11 +5,17 @@ One ``TrainWorker`` per rank (a single process is a one-rank group: FSDP2 is alw
 
     split into optimizer_steps mini-batches (contiguous, token-balanced)
     pack every mini-batch (<= pack_max_length tokens per micro-batch)
-    old logprobs: a no-grad pass when optimizer_steps > 1; otherwise the detached current
-                  logprobs (the ratio is exactly 1 at the first and only update)
-    for each mini-batch: forward/backward every micro-batch, loss weighted by 1 / (valid tokens
-                  of the mini-batch on all ranks); clip; optimizer step unless the loss or the
-                  grad norm is not finite; LR scheduler step
+    old logprobs: a no-grad pass when optimizer_steps > 1 or when rollout IS may drop tokens;
+                  otherwise the detached current logprobs (the ratio is exactly 1 at the first
+                  and only update)
+    rollout IS (train_worker.rollout_is): weights / dropped tokens from old - rollout logprobs
+    reference logprobs (train_worker.kl.coef > 0): a no-grad pass of the frozen initial policy
+    for each mini-batch: forward/backward every micro-batch, loss weighted by 1 / (kept tokens
+                  of the mini-batch on all ranks) x IS weight, plus coef x KL(policy || ref) with
+                  the same token weights; clip; optimizer step unless the loss or the grad norm
+                  is not finite; LR scheduler step
+
+With ``kl.coef == 0`` and ``rollout_is`` null none of the optional passes runs.
 
 Log-probs and entropies are computed from ``logits / temperature`` (per sequence) by a fused,
 chunked ``lm_head`` + ``log_softmax`` (:func:`chunked_logprobs`): only label positions are
@@ -24,6 +30,12 @@ reduce-scatter/re-gather copies (free there; see ``_accumulating``).
 
 Dropout: forwards with gradients run in ``train()`` mode, no-grad forwards in ``eval()`` mode;
 they agree for the dropout-free decoders RL fine-tunes (Qwen, Llama, ...).
+
+Reference model (KL penalty): the initial policy, read again from ``model_dir`` on the first step
+that needs it (a worker that only evaluates never loads it) directly in the FSDP compute dtype,
+frozen and sharded like the policy; with ``kl.ref_offload`` on CUDA its shards stay in CPU memory
+and each layer is brought to the GPU only for its forward. It is never saved in checkpoints: a
+resumed run reads the same weights from the same directory.
 """
 
 from __future__ import annotations
@@ -46,7 +58,9 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
+from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics, rollout_correction
 from rlcli.dist import barrier, device_mesh, init_distributed, is_main, local_device
 from rlcli.models import resolve_dtype
 from rlcli.train import checkpoint as ckpt
@@ -215,15 +229,23 @@ class _Metrics:
         self.sums[name] = self.sums.get(name, self._zero()) + total.detach().double()
         self.weights[name] = self.weights.get(name, self._zero()) + weight
 
-    def add_loss_metrics(self, metrics: dict[str, torch.Tensor], weight: int) -> None:
+    def add_extreme(self, name: str, value: torch.Tensor) -> None:
+        """Fold ``value`` into the running maximum (``*_max``) or minimum (``*_min``) ``name``."""
+        v = value.detach().double()
+        if name.endswith("_max"):
+            self.maxes[name] = torch.maximum(self.maxes[name], v) if name in self.maxes else v
+        elif name.endswith("_min"):
+            self.mins[name] = torch.minimum(self.mins[name], v) if name in self.mins else v
+        else:
+            raise ValueError(f"extreme metric names end with _max or _min, got {name!r}")
+
+    def add_loss_metrics(self, metrics: dict[str, torch.Tensor], weight: int | torch.Tensor) -> None:
+        """A loss's metrics: extremes by name, everything else a mean over ``weight`` tokens."""
         for k, v in metrics.items():
-            v = v.detach().double()
-            if k.endswith("_max"):
-                self.maxes[k] = torch.maximum(self.maxes[k], v) if k in self.maxes else v
-            elif k.endswith("_min"):
-                self.mins[k] = torch.minimum(self.mins[k], v) if k in self.mins else v
+            if k.endswith(("_max", "_min")):
+                self.add_extreme(k, v)
             else:
-                self.add_sum(k, v * weight, weight)
+                self.add_sum(k, v.detach().double() * weight, weight)
 
     def reduce(self, world_size: int) -> dict[str, float]:
         names_mean, names_max, names_min = sorted(self.sums), sorted(self.maxes), sorted(self.mins)
@@ -278,6 +300,8 @@ class TrainWorker:
         self.total_optimizer_steps = max(1, total_steps) * cfg.optimizer_steps
         torch.manual_seed(seed)  # the torch generator drives any dropout; saved/restored by checkpoints
 
+        self.model_dir = Path(model_dir)
+        self.ref_model: PolicyModel | None = None  # frozen initial policy, built on first use (KL)
         self.hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.hf_model.config.use_cache = False
         self.pad_id = self.hf_model.config.pad_token_id or 0
@@ -290,7 +314,7 @@ class TrainWorker:
             else:
                 self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model = PolicyModel(self.hf_model, cfg.logprob_chunk_size)
-        self._shard()
+        self._shard(self.model, cpu_offload=cfg.fsdp.cpu_offload)
         self.model.train()
 
         opt = cfg.optimizer
@@ -302,30 +326,55 @@ class TrainWorker:
         self.scheduler = build_scheduler(self.optimizer, cfg.lr_scheduler, self.total_optimizer_steps)
 
     # -------------------------------------------------------------------------- setup
-    def _shard(self) -> None:
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The FSDP compute dtype of the decoder (the run dtype unless ``fsdp.param_dtype`` is set)."""
         fs = self.cfg.fsdp
-        param_dtype = self.dtype if fs.param_dtype == "auto" else _DTYPES[fs.param_dtype]
+        return self.dtype if fs.param_dtype == "auto" else _DTYPES[fs.param_dtype]
+
+    def _shard(self, model: PolicyModel, cpu_offload: bool) -> None:
+        """``fully_shard`` every decoder layer of ``model.lm``, then the root (policy and reference alike)."""
+        fs = self.cfg.fsdp
+        param_dtype = self.param_dtype
         reduce_dtype = _DTYPES[fs.reduce_dtype]
-        on_cuda = self.device.type == "cuda"
-        offload: OffloadPolicy = CPUOffloadPolicy() if fs.cpu_offload and on_cuda else OffloadPolicy()
+        offload_to_cpu = cpu_offload and self.device.type == "cuda"
+        offload: OffloadPolicy = CPUOffloadPolicy() if offload_to_cpu else OffloadPolicy()
         layer_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
         # The root's inputs are ids and float32 temperatures: never cast them to the param dtype.
         root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-        if not (fs.cpu_offload and on_cuda):
-            self.hf_model.to(self.device)
-        for layer in self._decoder_layers():
+        if not offload_to_cpu:
+            model.lm.to(self.device)
+        for layer in self._decoder_layers(model.lm):
             if fs.torch_compile:
                 layer.compile()
             fully_shard(layer, mesh=self.mesh, mp_policy=layer_mp, offload_policy=offload,
                         reshard_after_forward=fs.reshard_after_forward)
-        fully_shard(self.model, mesh=self.mesh, mp_policy=root_mp, offload_policy=offload)
+        fully_shard(model, mesh=self.mesh, mp_policy=root_mp, offload_policy=offload)
 
-    def _decoder_layers(self) -> list[nn.Module]:
-        decoder = self.hf_model.get_decoder()
-        layers = getattr(decoder, "layers", None)
+    @staticmethod
+    def _decoder_layers(lm: nn.Module) -> list[nn.Module]:
+        layers = getattr(lm.get_decoder(), "layers", None)
         if layers is None:
-            raise ValueError(f"{type(self.hf_model).__name__}: cannot find the decoder layers (expected .layers)")
+            raise ValueError(f"{type(lm).__name__}: cannot find the decoder layers (expected .layers)")
         return list(layers)
+
+    def _reference(self) -> PolicyModel:
+        """The frozen reference policy (see the module docstring), built on the first call. Collective."""
+        if self.ref_model is None:
+            from transformers import AutoModelForCausalLM
+
+            # Loading must not advance the RNG streams that checkpoints save and restore: a resumed
+            # run builds the reference at a different step than the uninterrupted one.
+            cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda):
+                lm = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.param_dtype)
+            lm.config.use_cache = False
+            lm.requires_grad_(False)
+            ref = PolicyModel(lm, self.cfg.logprob_chunk_size)
+            self._shard(ref, cpu_offload=self.cfg.kl.ref_offload)
+            ref.eval()
+            self.ref_model = ref
+        return self.ref_model
 
     # ------------------------------------------------------------------------ batches
     def _micro_batches(self, seqs: list[TrainSequence], groups: list[list[int]]) -> list[list[MicroBatch]]:
@@ -352,9 +401,10 @@ class TrainWorker:
             return forced
         return choose_layout(lengths, self.cfg.pack_max_length, self.layout_cost)
 
-    def _forward(self, mb: MicroBatch, with_entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, mb: MicroBatch, with_entropy: bool = True,
+                 model: PolicyModel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         inv_t = None if mb.unit_temperature else mb.inv_temperature
-        return self.model(mb.input_ids, mb.position_ids, mb.label_index, mb.labels, inv_t, with_entropy)
+        return (model or self.model)(mb.input_ids, mb.position_ids, mb.label_index, mb.labels, inv_t, with_entropy)
 
     def _all_sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
@@ -363,35 +413,91 @@ class TrainWorker:
         dist.all_reduce(t)
         return t.tolist()
 
+    @torch.no_grad()
+    def _old_logprobs(self, batches: list[list[MicroBatch]], m: _Metrics) -> list[list[torch.Tensor]]:
+        """Log-probs of every micro-batch under the current weights (no grad); records the entropy."""
+        old = []
+        self.model.eval()
+        try:
+            for mbs in batches:
+                row = []
+                for mb in mbs:
+                    logp, ent = self._forward(mb)
+                    row.append(logp)
+                    m.add_sum("entropy", ent.sum(), mb.num_labels)
+                old.append(row)
+        finally:
+            self.model.reshard()
+            self.model.train()
+        return old
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batches: list[list[MicroBatch]]) -> list[list[torch.Tensor]]:
+        """Log-probs of every micro-batch under the frozen reference policy. Collective."""
+        ref = self._reference()
+        try:
+            return [[self._forward(mb, with_entropy=False, model=ref)[0] for mb in mbs] for mbs in batches]
+        finally:
+            ref.reshard()
+
+    def _rollout_correction(self, mb: MicroBatch, old_logp: torch.Tensor, m: _Metrics) -> RolloutCorrection:
+        c = rollout_correction(old_logp, mb.rollout_logprobs, mb.has_rollout_logprobs, mb.seq_local,
+                               len(mb.seq_indices), self.cfg.rollout_is)
+        for name, (total, count) in c.sums.items():
+            m.add_sum(name, total, count)
+        for name, value in {**c.maxes, **c.mins}.items():
+            m.add_extreme(name, value)
+        return c
+
+    def _kept_counts(self, batches: list[list[MicroBatch]],
+                     corr: list[list[RolloutCorrection]]) -> tuple[list[float], list[float]]:
+        """Per mini-batch: tokens and sequences (with at least one token) that rollout IS kept; one host sync."""
+        rows = []
+        for mbs, cs in zip(batches, corr):
+            toks = torch.zeros((), dtype=torch.float64, device=self.device)
+            nseq = torch.zeros((), dtype=torch.float64, device=self.device)
+            for mb, c in zip(mbs, cs):
+                keep = c.keep.double()
+                toks = toks + keep.sum()
+                per_seq = torch.zeros(len(mb.seq_indices), dtype=torch.float64, device=self.device)
+                nseq = nseq + (per_seq.index_add_(0, mb.seq_local, keep) > 0).double().sum()
+            rows.append(torch.stack([toks, nseq]))
+        counts = torch.stack(rows).tolist() if rows else []
+        return [t for t, _ in counts], [n for _, n in counts]
+
     # -------------------------------------------------------------------------- train
     def train_step(self, seqs: list[TrainSequence]) -> dict[str, float]:
-        """One RL step on this rank's sequences (collective). Returns ``train/*`` metrics (global)."""
+        """One RL step on this rank's sequences (collective). Returns ``train/*`` metrics (global),
+        plus ``mismatch/*`` when ``rollout_is`` is set."""
         t0 = time.perf_counter()
         k = self.cfg.optimizer_steps
+        is_cfg = self.cfg.rollout_is
+        kl_cfg = self.cfg.kl
         groups = split_minibatches([s.num_tokens for s in seqs], k)
         # Sequences without a trained token change nothing: leave them out of the forwards.
         groups = [[i for i in g if seqs[i].num_valid > 0] for g in groups]
         batches = self._micro_batches(seqs, groups)
-        local_counts = [float(sum(mb.num_labels for mb in mbs)) for mbs in batches]
-        local_counts += [float(sum(1 for mb in mbs for c in mb.label_counts if c > 0)) for mbs in batches]
-        counts = self._all_sum(local_counts)
-        num_tokens, num_seqs = [int(c) for c in counts[:k]], [int(c) for c in counts[k:]]
-
         m = _Metrics(self.device)
+
+        # Old logprobs are needed up front when the policy moves within the step, and when rollout
+        # IS may drop tokens (the loss normaliser counts kept tokens only). Otherwise the first and
+        # only update's old logprobs are its own detached logprobs, and IS weights come from them.
         old: list[list[torch.Tensor]] | None = None
-        if k > 1:
-            old = []
-            self.model.eval()
-            with torch.no_grad():
-                for mbs in batches:
-                    row = []
-                    for mb in mbs:
-                        logp, ent = self._forward(mb)
-                        row.append(logp)
-                        m.add_sum("entropy", ent.sum(), mb.num_labels)
-                    old.append(row)
-            self.model.reshard()
-            self.model.train()
+        corr: list[list[RolloutCorrection]] | None = None
+        if k > 1 or can_reject(is_cfg):
+            old = self._old_logprobs(batches, m)
+            if is_cfg is not None:
+                corr = [[self._rollout_correction(mb, lp, m) for mb, lp in zip(mbs, row)]
+                        for mbs, row in zip(batches, old)]
+        ref = self._reference_logprobs(batches) if kl_cfg.coef > 0 else None
+
+        if corr is not None and can_reject(is_cfg):
+            tok_counts, seq_counts = self._kept_counts(batches, corr)
+        else:
+            tok_counts = [float(sum(mb.num_labels for mb in mbs)) for mbs in batches]
+            seq_counts = [float(sum(1 for mb in mbs for c in mb.label_counts if c > 0)) for mbs in batches]
+        counts = self._all_sum(tok_counts + seq_counts)
+        num_tokens, num_seqs = [int(c) for c in counts[:k]], [int(c) for c in counts[k:]]
 
         loss_agg = self.policy_loss.loss_agg
         losses: list[float] = []
@@ -403,18 +509,28 @@ class TrainWorker:
             for mi, mb in enumerate(mbs):
                 self._accumulating(mi < len(mbs) - 1)
                 logp, ent = self._forward(mb, with_entropy=old is None)  # else taken from the old pass
-                old_logp = old[j][mi] if old is not None else logp.detach()
-                mask = torch.ones_like(mb.labels, dtype=torch.bool)
+                # k == 1: the weights have not moved since any old pass, so the ratio is exactly 1.
+                old_logp = old[j][mi] if k > 1 else logp.detach()
+                c = corr[j][mi] if corr is not None else (
+                    self._rollout_correction(mb, old_logp, m) if is_cfg is not None else None)
+                if c is not None and c.keep is not None:
+                    mask, n_kept = c.keep, c.keep.sum()
+                else:
+                    mask, n_kept = torch.ones_like(mb.labels, dtype=torch.bool), mb.num_labels
                 tok_loss, metrics = self.policy_loss.per_token_loss(logp, old_logp, mb.advantages, mask, mb.seq_local)
                 w = aggregation_weights(loss_agg, mask, mb.seq_local, num_tokens[j], num_seqs[j],
                                         num_local_seqs=len(mb.seq_indices))
-                loss = (tok_loss * w).sum()
+                loss = (tok_loss * (w * c.weight if c is not None and c.weight is not None else w)).sum()
+                if ref is not None:
+                    kl = torch.where(mask, kl_penalty(logp, ref[j][mi], kl_cfg.type), 0.0)
+                    loss = loss + kl_cfg.coef * (kl * w).sum()
+                    m.add_sum("kl_ref", kl.detach().sum(), n_kept)
                 # The weights already normalise by the global count, but FSDP averages gradients over
                 # ranks: scale by the world size so the update is the gradient of the global loss.
                 (loss * self.world_size if self.world_size > 1 else loss).backward()
                 local_loss += loss.detach()
                 # Every rank adds the same metric names (weight 0 when empty): they are reduced together.
-                m.add_loss_metrics(metrics, mb.num_labels)
+                m.add_loss_metrics(metrics, n_kept)
                 if old is None:
                     m.add_sum("entropy", ent.sum(), mb.num_labels)
                 has = mb.has_rollout_logprobs
@@ -440,7 +556,7 @@ class TrainWorker:
                 self.scheduler.step()
 
         red = m.reduce(self.world_size)
-        out = {f"train/{name}": value for name, value in red.items()}
+        out = finalize_metrics({(name if "/" in name else f"train/{name}"): value for name, value in red.items()})
         out.setdefault("train/entropy", 0.0)
         out.setdefault("train/rollout_logprob_diff", 0.0)
         for name in ("clipfrac", "kl_k3"):
@@ -636,4 +752,5 @@ class TrainWorker:
         """Drop the model and optimizer (the process group stays; see :func:`rlcli.dist.destroy`)."""
         self.optimizer.state.clear()
         del self.optimizer, self.scheduler, self.model, self.hf_model
+        self.ref_model = None
 
