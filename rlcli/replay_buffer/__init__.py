@@ -166,7 +166,15 @@ class ReplayBuffer(Component):
         """Pop up to ``n`` COMPLETED groups of ``task`` in policy order."""
         return self._pop(task, Status.COMPLETED, n, self._order_key)
 
-    def take_batch(self, sizes: dict[str, int]) -> dict[str, list[Group]]:
+    def take_batch(self, sizes: dict[str, int], *, consumer_step: int | None = None,
+                   rules: dict[str, StalenessRule] | None = None) -> dict[str, list[Group]]:
+        """Pop up to ``sizes[task]`` COMPLETED groups per task (``n <= 0`` -> ``[]``).
+
+        With ``consumer_step`` and ``rules`` the staleness lifecycle is applied first, so every
+        returned group is within its task's bound at that step whatever was refreshed before.
+        """
+        if consumer_step is not None and rules is not None:
+            self.refresh(consumer_step, {t: r for t, r in rules.items() if sizes.get(t, 0) > 0})
         return {t: self.take(t, n) if n > 0 else [] for t, n in sizes.items()}
 
     def pop_for_rollout(self, task: str, statuses: Iterable[Status]) -> Group | None:
@@ -176,6 +184,12 @@ class ReplayBuffer(Component):
             if got:
                 return got[0]
         return None
+
+    def groups(self, task: str | None = None, status: Status | None = None) -> list[Group]:
+        """Stored groups (not removed), in insertion order: for inspection and metrics."""
+        tasks = [task] if task is not None else list(self._entries)
+        entries = [e for t in tasks for e in self._entries.get(t, []) if status is None or e.status == status]
+        return [e.group for e in sorted(entries, key=lambda e: e.seq)]
 
     def __len__(self) -> int:
         return self.count()

@@ -261,6 +261,13 @@ class ColocateRunner:
         if self.evaluator:
             self.evaluator.close()
         self.backend.shutdown()
+        # A pause can leave the backend's driver task waiting on its last engine step when a
+        # step's rollout returns; finish such tasks so closing the loop does not destroy them.
+        leftover = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for t in leftover:
+            t.cancel()
+        if leftover:
+            self.loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
         self.loop.close()
 
 

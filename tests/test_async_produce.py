@@ -1,0 +1,1095 @@
+"""Produce strategies and the rollout manager, driven by a scripted fake backend.
+
+The fake backend only controls timing (one token per event-loop tick, pause aborts in flight);
+everything else - agent loop, judge pool, strategies, buffer, manager - is the real code.
+XTuner behaviour numbers refer to ../shared/reference/xtuner-behavior.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import pickle
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlcli.agent_loops import SingleTurnAgentLoop
+from rlcli.backends.base import GenerateOutput, GenerateRequest
+from rlcli.judging import JudgePool
+from rlcli.manager import RolloutManager, _pct
+from rlcli.produce import (
+    AsyncProduceStrategy, ProduceContext, ProduceStatus, SyncProduceStrategy, Task,
+)
+from rlcli.produce.filters import AllEqualRewards
+from rlcli.replay_buffer import AsyncReplayBuffer, ReplayBuffer, StalenessRule
+from rlcli.types import Group, Sample, SampleParams, Status
+
+PROMPT = [5, 6]
+EOS = 2
+TOK = 7
+
+
+# ================================================================================ fakes
+class ScriptedBackend:
+    """A fake inference backend whose only job is timing.
+
+    The full response of sample ``uid`` is ``script(uid)`` tokens, the last one EOS (at least
+    one new token per request). One token is produced per ``tick`` (an ``asyncio.sleep``),
+    stamped with ``version``. ``pause()`` aborts every request in flight at its next token,
+    returning the tokens generated so far; requests made while paused abort at once.
+    ``abort_uids`` always abort (after one token).
+    """
+
+    def __init__(self, script=None, tick: float = 0.0):
+        self.script = script or (lambda uid: 1)
+        self.tick = tick
+        self.version = 0
+        self.paused = False
+        self.abort_uids: set[int] = set()
+        self.requests: list[GenerateRequest] = []
+        self.inflight = 0
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def requests_for(self, uid: int) -> list[GenerateRequest]:
+        return [r for r in self.requests if r.request_id == uid]
+
+    async def generate(self, req: GenerateRequest) -> GenerateOutput:
+        self.requests.append(req)
+        out = GenerateOutput(finish_reason="abort")
+        if self.paused:
+            return out
+        want = max(1, self.script(req.request_id) - (len(req.prompt_ids) - len(PROMPT)))
+        self.inflight += 1
+        try:
+            for i in range(req.params.max_tokens):
+                await asyncio.sleep(self.tick)
+                if self.paused:
+                    return out
+                last = i == want - 1
+                out.token_ids.append(EOS if last else TOK)
+                out.logprobs.append(-0.1)
+                out.versions.append(self.version)
+                if req.request_id in self.abort_uids:
+                    return out
+                if last:
+                    out.finish_reason = "stop"
+                    return out
+            out.finish_reason = "length"
+            return out
+        finally:
+            self.inflight -= 1
+
+
+class FakeSampler:
+    """Fresh groups 0, 1, 2, ... of ``k`` samples; uids start at ``uid_base`` (tasks stay apart)."""
+
+    def __init__(self, task: str, k: int = 2, uid_base: int = 0):
+        self.task, self.k, self.uid_base = task, k, uid_base
+        self.groups_sampled = 0
+
+    def sample_group(self) -> list[Sample]:
+        gid = self.groups_sampled
+        self.groups_sampled += 1
+        return [Sample(uid=self.uid_base + gid * self.k + i, group_id=gid, task_name=self.task,
+                       prompt_ids=list(PROMPT), label=1) for i in range(self.k)]
+
+    def pop_stats(self):
+        return {}
+
+    def state_dict(self):
+        return {"groups_sampled": self.groups_sampled}
+
+    def load_state_dict(self, state):
+        self.groups_sampled = state["groups_sampled"]
+
+
+class ScoreJudger:
+    """Score = uid % 2 (so every group of 2 has signal); sleeps ``slow[uid]`` seconds first."""
+
+    name = "score"
+
+    def __init__(self, slow: dict[int, float] | None = None):
+        self.slow = slow if slow is not None else {}
+        self.calls: list[int] = []
+
+    def judge(self, response, label, sample):
+        self.calls.append(sample.uid)
+        if sample.uid in self.slow:
+            time.sleep(self.slow[sample.uid])
+        return float(sample.uid % 2)
+
+
+class Tok:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+class RejectGroups:
+    """A group filter rejecting the given group ids."""
+
+    name = "reject"
+
+    def __init__(self, gids):
+        self.gids = set(gids)
+
+    def keep(self, group):
+        return group.group_id not in self.gids
+
+
+def make_task(name, backend, strategy=None, *, k=2, max_tokens=64, interval=1, judger=None, executor="inline",
+              grace=10.0, filters=(), strategy_cls=AsyncProduceStrategy, uid_base=0):
+    cfg = strategy_cls.Config(**{"judge_grace_s": grace, **(strategy or {})})
+    strat = strategy_cls(cfg, sync_weights_interval=interval)
+    judger = judger or ScoreJudger()
+    pool = JudgePool(judger, executor=executor, timeout_s=30.0, workers=2)
+    loop = SingleTurnAgentLoop(SingleTurnAgentLoop.Config(sample_params=SampleParams(max_tokens=max_tokens)),
+                               backend=backend, judge_pool=pool, tokenizer=Tok(), eos_token_ids=[EOS], seed=0)
+    return Task(name, 1.0, FakeSampler(name, k, uid_base), loop, strat, list(filters), strat.staleness_rule())
+
+
+def make_manager(backend, *tasks, buffer=None, **kw):
+    return RolloutManager(list(tasks), buffer if buffer is not None else AsyncReplayBuffer(), backend,
+                          [t.agent_loop.judge_pool for t in tasks], **kw)
+
+
+def close(manager):
+    for p in manager.judge_pools:
+        p.close()
+
+
+def model_step(step, interval):
+    return (step - 1) - ((step - 1) % interval)
+
+
+async def window(manager, backend, batch, step, interval=1):
+    """One colocated step: the backend serves the last synced policy."""
+    backend.version = model_step(step, interval)
+    return await manager.produce_batch(batch, step, backend.version)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def done_sample(uid, versions, *, task="t", gid=None, status=Status.COMPLETED, reward=1.0):
+    s = Sample(uid=uid, group_id=uid // 2 if gid is None else gid, task_name=task, prompt_ids=list(PROMPT), label=1)
+    s.response_ids = [TOK] * (len(versions) - 1) + [EOS] if versions else []
+    s.logprobs = [-0.1] * len(versions)
+    s.token_versions = list(versions)
+    s.response_mask = [1] * len(versions)
+    s.status = status
+    s.finish_reason = "stop" if status == Status.COMPLETED else "abort"
+    s.reward = {"score": reward} if status == Status.COMPLETED else None
+    s.response = "x"
+    return s
+
+
+def expired_group(buf, gid, task="t", k=2, step=5):
+    """Store a group that expires on put (versions [0] at step 5, threshold 1, retryable)."""
+    g = Group(gid, task, [done_sample(gid * k + i, [0], task=task, gid=gid) for i in range(k)])
+    assert buf.put(g, consumer_step=step, rule=StalenessRule(1, retryable=True)) == Status.EXPIRED
+    return g
+
+
+# ==================================================================== config and thresholds
+def test_stale_thresholds():
+    # behaviour 7, plus our own numbers
+    def rule(ms, interval, mts=None):
+        return AsyncProduceStrategy(AsyncProduceStrategy.Config(max_staleness=ms, max_token_staleness=mts,
+                                                                enable_partial_rollout=True),
+                                    sync_weights_interval=interval).staleness_rule()
+
+    assert rule(0, 4).stale_threshold == 4 and rule(1, 4).stale_threshold == 8
+    assert rule(0, 4, 0).token_stale_threshold == 4 and rule(0, 4).token_stale_threshold is None
+    assert rule(2, 3).stale_threshold == 9 and rule(1, 2).stale_threshold == 4
+    assert SyncProduceStrategy(SyncProduceStrategy.Config(), sync_weights_interval=3).staleness_rule() == \
+        StalenessRule(3, None, retryable=False)
+    def tail(n):
+        return AsyncProduceStrategy(AsyncProduceStrategy.Config(tail_batch_trigger_size=n)).staleness_rule()
+
+    assert not tail(-1).retryable and tail(0).retryable and tail(5).retryable
+
+
+def test_model_expiry_bound():
+    # behaviour 8 in producer terms: threshold 4 -> data for step 8 from model 4 is fine, step 9 is not
+    s = AsyncProduceStrategy(AsyncProduceStrategy.Config(max_staleness=1, enable_partial_rollout=True),
+                             sync_weights_interval=2)
+    assert not s.model_expired(8, 4) and s.model_expired(9, 4)
+
+
+def test_colocate_model_step_sequence():
+    # behaviour 9: the runner's model_step
+    from types import SimpleNamespace
+
+    from rlcli.runner.colocate import ColocateRunner
+
+    def seq(interval, n):
+        fake = SimpleNamespace(cfg=SimpleNamespace(sync_weights_interval=interval))
+        return [ColocateRunner.model_step(fake, s) for s in range(1, n + 1)]
+
+    assert seq(2, 3) == [0, 0, 2]
+    assert seq(3, 7) == [0, 0, 0, 3, 3, 3, 6]
+    assert seq(1, 4) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("cfg,expect", [
+    ({"max_staleness": 1}, ["enable_partial_rollout=false", "tail_batch_max_tries"]),
+    ({"max_staleness": 1, "tail_batch_max_tries": 2}, ["enable_partial_rollout=false"]),
+    ({"max_staleness": 0, "max_token_staleness": 1, "tail_batch_trigger_size": 0}, ["has no effect"]),
+    ({"max_token_staleness": 0}, ["tail_batch_trigger_size=-1"]),
+    ({"max_staleness": 2, "enable_partial_rollout": True}, []),
+    ({}, []),
+])
+def test_config_warnings(caplog, cfg, expect):
+    with caplog.at_level(logging.WARNING, logger="rlcli.produce"):
+        AsyncProduceStrategy(AsyncProduceStrategy.Config(**cfg), sync_weights_interval=1)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    for e in expect:
+        assert e in text
+    if not expect:
+        assert text == ""
+    if cfg.get("tail_batch_max_tries"):
+        assert "tail_batch_max_tries)" not in text
+
+
+# ======================================================================= over-sampling
+def test_oversample_budget_is_fixed_not_scaled_to_the_gap():
+    # behaviour 24: batch 4, threshold 1.0, target 10 with 9 COMPLETED present -> 5 new, 14 stored
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"over_sample_threshold": 1.0})
+    buf = AsyncReplayBuffer()
+    for i in range(9):
+        buf.put(Group(100 + i, "t", [done_sample(1000 + 2 * i, [0]), done_sample(1001 + 2 * i, [0])]))
+    ctx = ProduceContext(batch_size=4, train_step=1, model_step=0, buffer=buf, target=10)
+
+    async def go():
+        status = await task.strategy.produce_round(task, ctx)
+        spawned = task.sampler.groups_sampled
+        await task.strategy.drain(task, ctx)  # not paused: everything in flight finishes
+        return status, spawned
+
+    try:
+        assert run(go()) == (ProduceStatus.NORMAL, 5)
+        assert buf.count("t", Status.COMPLETED) == 14
+    finally:
+        task.agent_loop.judge_pool.close()
+
+
+def test_oversampled_groups_are_paused_and_kept():
+    # our numbers: batch 6, threshold 0.5 -> 9 in flight; 3 long ones are paused with partial tokens
+    backend = ScriptedBackend(lambda uid: 40 if uid // 2 >= 6 else 1)
+    task = make_task("t", backend, {"over_sample_threshold": 0.5, "enable_partial_rollout": True, "max_staleness": 1})
+    m = make_manager(backend, task)
+    try:
+        res = run(window(m, backend, 6, 1))
+        assert [g.group_id for g in res.groups] == [0, 1, 2, 3, 4, 5]
+        assert task.sampler.groups_sampled == 9 and task.strategy.pending == 0
+        aborted = m.buffer.groups("t", Status.ABORTED)
+        assert [g.group_id for g in aborted] == [6, 7, 8]
+        assert all(0 < len(s.response_ids) < 40 and s.token_versions == [0] * len(s.response_ids)
+                   for g in aborted for s in g.samples)
+        assert res.metrics["rollout/aborted_groups"] == 3 and res.metrics["rollout/leftover_aborted_groups"] == 3
+        assert res.metrics["rollout/groups"] == 6 and res.metrics["rollout/samples"] == 12
+        assert res.metrics["rollout/tokens"] == 12 + sum(len(s.response_ids) for g in aborted for s in g.samples)
+    finally:
+        close(m)
+
+
+def test_pending_never_leaks_into_the_next_window():
+    # behaviour 28
+    backend = ScriptedBackend(lambda uid: 30 if uid % 4 == 3 else 1)
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "enable_partial_rollout": True, "max_staleness": 2,
+                                    "tail_batch_trigger_size": 0})
+    m = make_manager(backend, task)
+    trained: list[int] = []
+    try:
+        for step in (1, 2, 3):
+            res = run(window(m, backend, 3, step))
+            assert task.strategy.pending == 0 and backend.inflight == 0
+            trained += [g.group_id for g in res.groups]
+        assert len(trained) == len(set(trained)) == 9
+        kept = [g.group_id for g in m.buffer.groups()]
+        assert not set(kept) & set(trained)
+        assert task.sampler.groups_sampled == len(trained) + len(kept)
+    finally:
+        close(m)
+
+
+def test_produce_batch_refuses_leftover_pending():
+    backend = ScriptedBackend(lambda uid: 50, tick=0.002)
+    task = make_task("t", backend, {"over_sample_threshold": 1.0})
+    buf = AsyncReplayBuffer()
+    ctx = ProduceContext(1, 1, 0, buf)
+
+    async def go():
+        t = asyncio.ensure_future(task.strategy.produce_batch(task, ctx))
+        await asyncio.sleep(0.01)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        assert task.strategy.pending == 2
+        with pytest.raises(RuntimeError, match="still in flight"):
+            await task.strategy.produce_batch(task, ctx)
+        backend.pause()
+        await task.strategy.drain(task, ctx)
+        assert task.strategy.pending == 0 and buf.count("t", Status.ABORTED) == 2
+
+    try:
+        run(go())
+    finally:
+        task.agent_loop.judge_pool.close()
+
+
+# =========================================================================== tail batch
+def test_tail_mode_rerolls_expired_without_oversampling():
+    # behaviour 25: trigger 1, two EXPIRED groups, oversample 1.0, batch 2
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "tail_batch_trigger_size": 1,
+                                    "max_staleness": 1, "enable_partial_rollout": True})
+    m = make_manager(backend, task)
+    expired_group(m.buffer, 100)
+    expired_group(m.buffer, 101)
+    try:
+        res = run(window(m, backend, 2, 5))
+        assert [g.group_id for g in res.groups] == [100, 101]
+        assert task.sampler.groups_sampled == 0  # no fresh prompt, no over-sampling
+        assert sorted(r.request_id for r in backend.requests) == [200, 201, 202, 203]
+        assert all(s.staleness == 0 and s.tries == 1 for g in res.groups for s in g.samples)
+        assert res.metrics["rollout/tail_batch_windows"] == 1 and res.metrics["rollout/rerolled_samples"] == 4
+    finally:
+        close(m)
+
+
+def test_trigger_zero_rerolls_at_once_and_keeps_oversampling():
+    # behaviour 26
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "tail_batch_trigger_size": 0})
+    m = make_manager(backend, task)
+    expired_group(m.buffer, 100)
+    try:
+        res = run(window(m, backend, 2, 5))
+        assert task.sampler.groups_sampled == 3  # 2 + budget 2 = 4 in flight, the expired one first
+        assert backend.requests[0].request_id == 200
+        assert res.metrics["rollout/tail_batch_windows"] == 0
+        assert m.buffer.count("t", Status.EXPIRED) == 0
+        assert len(res.groups) + m.buffer.count("t", Status.COMPLETED) == 4
+    finally:
+        close(m)
+
+
+def test_trigger_not_reached_keeps_expired_pooled():
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "tail_batch_trigger_size": 3, "max_staleness": 1,
+                                    "enable_partial_rollout": True})
+    m = make_manager(backend, task)
+    expired_group(m.buffer, 100)
+    expired_group(m.buffer, 101)
+    try:
+        run(window(m, backend, 2, 5))
+        assert task.sampler.groups_sampled == 4 and m.buffer.count("t", Status.EXPIRED) == 2
+        assert m.buffer.count("t", Status.COMPLETED) == 2  # over-sampled leftovers (staleness 1 < 2 at step 6)
+        expired_group(m.buffer, 102)  # now 3 pooled: tail mode, only the gap (5 - 2 leftovers), expired first
+        res = run(window(m, backend, 5, 6))
+        assert task.sampler.groups_sampled == 4 and m.buffer.count() == 0
+        assert {100, 101, 102} <= {g.group_id for g in res.groups}
+        assert res.metrics["rollout/tail_batch_windows"] == 1
+    finally:
+        close(m)
+
+
+def test_trigger_minus_one_drops_expired_groups():
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"max_staleness": 0})  # threshold 1, tail -1
+    m = make_manager(backend, task)
+    m.buffer.put(Group(50, "t", [done_sample(100, [0]), done_sample(101, [0])]))  # a leftover from model 0
+    try:
+        res = run(window(m, backend, 1, 2))  # step 2: staleness 1 >= 1 -> expired, dropped
+        assert res.metrics["rollout/expired_groups"] == 1 and m.buffer.discarded_expired == 1
+        assert [g.group_id for g in res.groups] == [0]
+    finally:
+        close(m)
+
+
+def test_retry_order_expired_then_aborted_then_fresh():
+    # behaviour 21, through the strategy: [EXPIRED, ABORTED] pops the expired group, then the
+    # aborted one, then falls back to fresh prompts (our numbers: two of each, FIFO within a status)
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"tail_batch_trigger_size": 0, "enable_partial_rollout": True, "max_staleness": 1})
+    buf = AsyncReplayBuffer()
+    def paused(gid, uid, versions):
+        return Group(gid, "t", [done_sample(uid, versions, gid=gid, status=Status.ABORTED),
+                                done_sample(uid + 1, [], gid=gid, status=Status.ABORTED)])
+
+    buf.put(paused(30, 60, [0, 0]))
+    expired_group(buf, 20)
+    buf.put(paused(31, 62, []))
+    expired_group(buf, 21)
+    ctx = ProduceContext(4, 5, 4, buf)
+    statuses = task.strategy.plan(task, ctx)[1]
+    assert statuses == [Status.EXPIRED, Status.ABORTED]
+    order = [task.strategy.next_group(task, ctx, statuses).group_id for _ in range(6)]
+    assert order == [20, 21, 30, 31, 0, 1]
+    assert task.stats.partial_resumed_samples == 1  # only uid 60 had tokens to continue
+    assert task.stats.rerolled_samples == 4  # the members of the two expired groups
+    task.agent_loop.judge_pool.close()
+
+
+def test_reroll_of_mixed_group_keeps_the_fresh_member():
+    # behaviour 27 (and 16: expiry resets only the stale member)
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"tail_batch_trigger_size": 0, "max_staleness": 1, "max_token_staleness": 0,
+                                    "enable_partial_rollout": True}, interval=4)  # threshold 8, token threshold 4
+    m = make_manager(backend, task)
+    stale, fresh = done_sample(0, [0, 0], gid=0), done_sample(1, [4, 4], gid=0, reward=0.0)
+    m.buffer.put(Group(0, "t", [stale, fresh]), consumer_step=5, rule=task.rule)
+    assert stale.status == Status.EXPIRED and stale.response_ids == [] and fresh.status == Status.COMPLETED
+    kept = (list(fresh.response_ids), list(fresh.token_versions), dict(fresh.reward))
+    try:
+        backend.version = 4
+        res = run(m.produce_batch(1, 5, 4))
+        assert [r.request_id for r in backend.requests] == [0]
+        g = res.groups[0]
+        assert g.group_id == 0 and g.samples[1] is fresh
+        assert (fresh.response_ids, fresh.token_versions, fresh.reward) == kept
+        assert g.samples[0].token_versions == [4] and g.samples[0].tries == 1
+    finally:
+        close(m)
+
+
+def test_tail_batch_max_tries_drops_and_counts():
+    # XTuner's TODO: without partial rollout a sample that never finishes in a window is
+    # restarted forever; with tail_batch_max_tries=2 it is restarted twice, then dropped.
+    backend = ScriptedBackend(lambda uid: 1000 if uid in (0, 1) else 1)
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "max_staleness": 1, "tail_batch_max_tries": 2},
+                     max_tokens=2000)
+    m = make_manager(backend, task)
+    dropped, restarts = 0, []
+    try:
+        for step in range(1, 6):
+            res = run(window(m, backend, 1, step))
+            dropped += res.metrics["rollout/dropped_retry_groups"]
+            restarts.append(len([r for r in backend.requests_for(0) if len(r.prompt_ids) == len(PROMPT)]))
+            assert 0 not in [g.group_id for g in res.groups]
+        assert dropped == 1
+        assert restarts[-1] == 3  # first attempt + 2 re-rolls, then never again
+        assert all(g.group_id != 0 for g in m.buffer.groups())
+    finally:
+        close(m)
+
+
+def test_tries_limit_counts_expiries_too():
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"tail_batch_trigger_size": 0, "tail_batch_max_tries": 1})
+    m = make_manager(backend, task)
+    g = expired_group(m.buffer, 7)
+    g.samples[0].tries = 1  # already re-rolled once
+    try:
+        res = run(window(m, backend, 1, 5))
+        assert res.metrics["rollout/dropped_retry_groups"] == 1
+        assert [x.group_id for x in res.groups] == [0] and m.buffer.count() == 0
+    finally:
+        close(m)
+
+
+# ====================================================================== partial rollout
+def test_partial_rollout_flag_is_per_task():
+    # XTuner sets one global flag on all workers (the last built strategy wins); ours is per task.
+    script = {"long": 50}
+    backend = ScriptedBackend(lambda uid: script["long"] if (uid // 2) % 4 >= 2 else 1, tick=0.001)
+    common = {"over_sample_threshold": 1.0, "max_staleness": 1}
+    a = make_task("a", backend, {**common, "enable_partial_rollout": True})
+    b = make_task("b", backend, {**common, "enable_partial_rollout": False, "tail_batch_max_tries": 5}, uid_base=1000)
+    m = make_manager(backend, a, b)
+    try:
+        run(window(m, backend, 4, 1))
+        paused = {t: {s.uid: list(s.response_ids) for g in m.buffer.groups(t, Status.ABORTED) for s in g.samples}
+                  for t in ("a", "b")}
+        assert len(paused["a"]) == len(paused["b"]) == 4 and all(paused["a"].values())
+        script["long"] = 3  # the paused ones can finish now
+        backend.requests.clear()
+        res = run(window(m, backend, 4, 2))
+        assert res.metrics["task/a/partial_resumed_samples"] == 4 and res.metrics["task/b/partial_resumed_samples"] == 0
+        assert res.metrics["rollout/partial_resumed_samples"] == 4 and res.metrics["rollout/rerolled_samples"] == 4
+        for uid, partial in paused["a"].items():
+            (req,) = [r for r in backend.requests if r.request_id == uid and r.prompt_ids[:2] == PROMPT
+                      and len(r.prompt_ids) > 2]
+            assert req.prompt_ids == PROMPT + partial and req.params.max_tokens == 64 - len(partial)
+        for uid in paused["b"]:
+            reqs = [r for r in backend.requests if r.request_id == uid]
+            assert [r.prompt_ids for r in reqs] == [PROMPT]
+        everything = {s.uid: s for g in [*res.groups, *m.buffer.groups()] for s in g.samples}
+        for uid, partial in paused["a"].items():
+            s = everything[uid]
+            assert s.response_ids[:len(partial)] == partial and s.resumes == 1 and s.tries == 0
+            assert s.token_versions[:len(partial)] == [0] * len(partial) and set(s.token_versions[len(partial):]) == {1}
+        for uid in paused["b"]:
+            assert set(everything[uid].token_versions) == {1} and everything[uid].tries == 1
+    finally:
+        close(m)
+
+
+def test_partial_continuation_never_exceeds_the_budget():
+    script = {"n": 100}
+    backend = ScriptedBackend(lambda uid: script["n"] if uid >= 2 else 1, tick=0.001)
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "max_staleness": 3, "enable_partial_rollout": True},
+                     max_tokens=5, k=2)
+    m = make_manager(backend, task)
+    try:
+        run(window(m, backend, 1, 1))
+        (g,) = m.buffer.groups("t", Status.ABORTED)
+        p = len(g.samples[0].response_ids)
+        assert 0 < p < 5
+        res = run(window(m, backend, 2, 2))
+        s = next(s for x in res.groups for s in x.samples if s.uid == 2)
+        assert len(s.response_ids) == 5 and s.finish_reason == "length" and s.status == Status.COMPLETED
+        assert s.token_versions == [0] * p + [1] * (5 - p) and s.staleness == 2 - 0 - 1
+        assert [r.params.max_tokens for r in backend.requests_for(2)] == [5, 5 - p]
+    finally:
+        close(m)
+
+
+def test_partial_response_ending_in_eos_completes_without_a_request():
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"enable_partial_rollout": True, "max_staleness": 1})
+    m = make_manager(backend, task)
+    a = done_sample(10, [0, 0], gid=5, status=Status.ABORTED)  # generation finished, judging was cut
+    b = done_sample(11, [0], gid=5)
+    m.buffer.put(Group(5, "t", [a, b]))
+    try:
+        res = run(window(m, backend, 1, 2))
+        assert backend.requests == [] and res.groups[0].group_id == 5
+        assert a.status == Status.COMPLETED and a.reward == {"score": 0.0} and a.finish_reason == "stop"
+    finally:
+        close(m)
+
+
+def test_token_staleness_masks_instead_of_dropping():
+    # behaviour 13: token threshold 4 at step 5 on versions [0, 4] -> mask [0, 1]
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"max_staleness": 1, "max_token_staleness": 0, "tail_batch_trigger_size": 0},
+                     interval=4)
+    m = make_manager(backend, task)
+    m.buffer.put(Group(3, "t", [done_sample(6, [0, 4]), done_sample(7, [4, 4])]))
+    try:
+        backend.version = 4
+        res = run(m.produce_batch(1, 5, 4))
+        (g,) = res.groups
+        assert [s.response_mask for s in g.samples] == [[0, 1], [1, 1]]
+        assert [s.response_ids for s in g.samples] == [[TOK, EOS], [TOK, EOS]]  # nothing dropped
+        assert res.metrics["rollout/masked_stale_tokens"] == 1 and res.metrics["rollout/staleness_max"] == 4
+    finally:
+        close(m)
+
+
+# ========================================================================= judge grace
+def test_pause_gives_running_judge_calls_a_grace_period():
+    # behaviour 53 (second half): a slow judge at pause time -> ABORTED, reward None, re-judged later
+    slow = {1: 3.0}
+    backend = ScriptedBackend()
+    judger = ScoreJudger(slow)
+    task = make_task("t", backend, {"over_sample_threshold": 1.0, "enable_partial_rollout": True, "max_staleness": 1},
+                     judger=judger, executor="thread", grace=0.3)
+    m = make_manager(backend, task)
+    try:
+        t0 = time.perf_counter()
+        res = run(window(m, backend, 1, 1))
+        took = time.perf_counter() - t0
+        assert took < 2.0, took
+        assert [g.group_id for g in res.groups] == [1]
+        (g,) = m.buffer.groups("t", Status.ABORTED)
+        s1 = g.samples[1]
+        assert s1.status == Status.ABORTED and s1.reward is None and s1.finish_reason == "abort"
+        assert "grace" in s1.error and s1.response_ids == [EOS]
+        assert res.metrics["judger/aborted"] == 1 and res.metrics["rollout/aborted_groups"] == 1
+        slow.clear()
+        res = run(window(m, backend, 1, 2))
+        assert res.groups[0].group_id == 0 and s1.status == Status.COMPLETED and s1.reward == {"score": 1.0}
+        assert len(backend.requests_for(1)) == 1  # re-judged, not re-generated
+        assert judger.calls.count(1) == 2
+    finally:
+        close(m)
+
+
+def test_drain_timeout_cancels_stuck_rollouts_and_keeps_them():
+    class StuckLoop:
+        judge_pool = None
+
+        async def run_group(self, samples):
+            samples[0].response_ids = [TOK]
+            samples[0].token_versions = [0]
+            samples[0].logprobs = [-0.1]
+            await asyncio.sleep(60)
+
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"drain_timeout_s": 0.2, "judge_grace_s": 0.1})
+    task.agent_loop = StuckLoop()
+    buf = AsyncReplayBuffer()
+    ctx = ProduceContext(1, 1, 0, buf)
+
+    async def go():
+        t = asyncio.ensure_future(task.strategy.produce_batch(task, ctx))
+        await asyncio.sleep(0.01)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        t0 = time.perf_counter()
+        await task.strategy.drain(task, ctx)
+        return time.perf_counter() - t0
+
+    assert run(go()) < 1.0
+    (g,) = buf.groups("t", Status.ABORTED)
+    assert g.samples[0].response_ids == [TOK] and all(s.status == Status.ABORTED for s in g.samples)
+
+
+# ====================================================================== sync strategy
+def test_sync_replaces_filtered_and_keeps_aborted():
+    # behaviour 22: group 0 filtered, group 1 aborted -> 2 COMPLETED (2, 3), 0 FILTERED, 1 ABORTED
+    backend = ScriptedBackend()
+    backend.abort_uids = {2, 3}
+    task = make_task("t", backend, strategy_cls=SyncProduceStrategy, filters=[RejectGroups({0})])
+    buf = ReplayBuffer()
+    ctx = ProduceContext(2, 1, 0, buf)
+    try:
+        run(task.strategy.produce_batch(task, ctx))
+        assert [g.group_id for g in buf.groups("t", Status.COMPLETED)] == [2, 3]
+        assert buf.count("t", Status.FILTERED) == 0 and buf.count("t", Status.ABORTED) == 1
+        # behaviour 23: raw reward stats include the filtered group (scores 0 and 1)
+        assert task.stats.raw_reward_count == 6 and task.stats.raw_reward_sum == 3.0
+        assert task.stats.filtered_groups == 1 and task.stats.aborted_groups == 1
+        # ours: the next sync window restarts the aborted group from scratch instead of leaking it
+        backend.abort_uids = set()
+        buf.take("t", 2)
+        run(task.strategy.produce_batch(task, ctx))
+        assert [g.group_id for g in buf.groups("t", Status.COMPLETED)] == [1, 4]
+        assert buf.count("t", Status.ABORTED) == 0
+        assert [r.prompt_ids for r in backend.requests_for(2)] == [PROMPT, PROMPT]
+    finally:
+        task.agent_loop.judge_pool.close()
+
+
+def test_interrupted_sync_window_loses_nothing():
+    backend = ScriptedBackend(lambda uid: 40, tick=0.002)
+    task = make_task("t", backend, strategy_cls=SyncProduceStrategy)
+    buf = ReplayBuffer()
+    ctx = ProduceContext(3, 1, 0, buf)
+
+    async def go():
+        t = asyncio.ensure_future(task.strategy.produce_batch(task, ctx))
+        await asyncio.sleep(0.02)
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+
+    try:
+        run(go())
+        paused = buf.groups("t", Status.ABORTED)
+        assert [g.group_id for g in paused] == [0, 1, 2] and backend.inflight == 0
+        backend.script, backend.tick = (lambda uid: 2), 0.0
+        run(task.strategy.produce_batch(task, ctx))  # restarted from scratch, nothing new sampled
+        assert [g.group_id for g in buf.groups("t", Status.COMPLETED)] == [0, 1, 2]
+        assert task.sampler.groups_sampled == 3
+        # cancelled before their tokens came back: nothing was thrown away, so not a re-roll
+        assert all(s.tries == 0 and s.token_versions == [0, 0] for g in buf.groups() for s in g.samples)
+    finally:
+        task.agent_loop.judge_pool.close()
+
+
+def test_all_equal_rewards_filter_and_filter_guard():
+    backend = ScriptedBackend()
+    flat = ScoreJudger()
+    flat.judge = lambda response, label, sample: 1.0  # every group all-equal
+    task = make_task("t", backend, {"max_filtered_groups": 5}, judger=flat,
+                     filters=[AllEqualRewards(AllEqualRewards.Config())])
+    m = make_manager(backend, task)
+    try:
+        with pytest.raises(RuntimeError, match="5 groups in a row were filtered out"):
+            run(window(m, backend, 2, 1))
+        assert task.strategy.pending == 0 and backend.inflight == 0
+    finally:
+        close(m)
+
+
+def test_broken_agent_loop_fails_samples_not_the_run():
+    class Broken(SingleTurnAgentLoop):
+        async def run_group(self, samples):
+            if samples[0].group_id % 3 == 0:
+                raise KeyError("boom")
+            return await super().run_group(samples)
+
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"max_failed_groups": 3})
+    old = task.agent_loop
+    task.agent_loop = Broken(old.config, backend=backend, judge_pool=old.judge_pool, tokenizer=Tok(),
+                             eos_token_ids=[EOS], seed=0)
+    m = make_manager(backend, task)
+    try:
+        res = run(window(m, backend, 4, 1))
+        assert len(res.groups) == 4 and res.metrics["rollout/failed_groups"] >= 1
+        assert res.metrics["rollout/failed_samples"] == 2 * res.metrics["rollout/failed_groups"]
+        task.agent_loop.run_group = lambda samples: (_ for _ in ()).throw(KeyError("always"))
+        with pytest.raises(RuntimeError, match="3 groups in a row failed completely.*agent loop raised KeyError"):
+            run(window(m, backend, 4, 2))
+        assert task.strategy.pending == 0
+    finally:
+        close(m)
+
+
+# ============================================================================ manager
+def test_batch_size_errors_and_task_validation():
+    # behaviours 4 and 5
+    backend = ScriptedBackend()
+    t = make_task("t", backend)
+    m = make_manager(backend, t)
+    try:
+        with pytest.raises(ValueError, match="produce_batch expects batch_size > 0, got 0"):
+            run(m.produce_batch(0, 1, 0))
+        with pytest.raises(ValueError, match="duplicate task name 't'"):
+            make_manager(backend, t, t)
+        with pytest.raises(ValueError, match="at least one task"):
+            RolloutManager([], AsyncReplayBuffer(), backend, [])
+        t.weight = 0
+        with pytest.raises(ValueError, match="weight must be positive"):
+            make_manager(backend, t)
+    finally:
+        close(m)
+
+
+def test_multitask_order_sizes_and_per_task_metrics():
+    # behaviours 1, 6 and the acceptance's 2:1 split of 9
+    backend = ScriptedBackend()
+    b, a = make_task("b", backend), make_task("a", backend)
+    b.weight, a.weight = 1.0, 2.0
+    m = make_manager(backend, b, a)  # config order b, a
+    try:
+        res = run(window(m, backend, 9, 1))
+        assert res.task_sizes == {"b": 3, "a": 6}
+        assert [g.task_name for g in res.groups] == ["a"] * 6 + ["b"] * 3
+        assert [g.group_id for g in res.groups[:6]] == sorted(g.group_id for g in res.groups[:6])
+        assert res.metrics["task/a/groups"] == 6 and res.metrics["task/b/groups"] == 3
+        assert res.metrics["task/a/samples"] == 12 and res.metrics["task/b/reward_mean"] == 0.5
+    finally:
+        close(m)
+
+
+def test_counters_are_read_once():
+    # behaviour 65, and 61 (p50/p99)
+    backend = ScriptedBackend()
+    task = make_task("t", backend)
+    m = make_manager(backend, task)
+    try:
+        r1 = run(window(m, backend, 2, 1))
+        r2 = run(window(m, backend, 3, 2))
+        assert r1.metrics["rollout/produced_samples"] == 4 and r2.metrics["rollout/produced_samples"] == 6
+        assert r1.metrics["judger/calls"] == 4 and r2.metrics["judger/calls"] == 6
+    finally:
+        close(m)
+    assert _pct([0.5, 1.0], 0.5) == 1.0 and _pct([0.5, 1.0], 0.99) == 1.0 and _pct([], 0.5) == 0.0
+
+
+def test_save_while_pending_raises_and_restore_is_exact():
+    # behaviour 34; and aborted partial responses survive save/restore exactly
+    def setup():
+        backend = ScriptedBackend(lambda uid: 30 if uid // 2 >= 2 else 1)
+        task = make_task("t", backend, {"over_sample_threshold": 1.0, "enable_partial_rollout": True,
+                                        "max_staleness": 1}, interval=2)
+        return backend, task, make_manager(backend, task)
+
+    backend, task, m = setup()
+    backend2, task2, m2 = setup()
+    try:
+        run(window(m, backend, 2, 1, 2))
+        assert m.buffer.count("t", Status.ABORTED) == 2
+
+        async def save_mid_flight():
+            backend.version = 0
+            t = asyncio.ensure_future(m.produce_batch(2, 2, 0))
+            while task.strategy.pending == 0:
+                await asyncio.sleep(0)
+            with pytest.raises(RuntimeError, match="Cannot save the RolloutManager while pending rollout tasks"):
+                m.state_dict()
+            return await t
+
+        state = pickle.loads(pickle.dumps(m.state_dict()))
+        snapshot = copy.deepcopy(state)
+        m2.load_state_dict(state)
+        assert m2.state_dict() == snapshot
+        r1 = run(save_mid_flight())
+        backend2.version = 0
+        r2 = run(m2.produce_batch(2, 2, 0))
+
+        def view(groups):
+            return [(s.uid, s.response_ids, s.token_versions, s.resumes, s.status) for g in groups for s in g.samples]
+
+        assert view(r1.groups) == view(r2.groups)
+        assert r1.metrics["rollout/partial_resumed_samples"] == r2.metrics["rollout/partial_resumed_samples"] == 4
+        assert _timeless(m.state_dict()) == _timeless(m2.state_dict())
+    finally:
+        close(m)
+        close(m2)
+
+
+def _timeless(state):
+    """A manager state without wall-clock fields (generation times differ between runs)."""
+    state = copy.deepcopy(state)
+    for e in state["buffer"]["entries"]:
+        for smp in e["group"]["samples"]:
+            smp.pop("gen_time_s")
+    return state
+
+
+# ====================================================================== disaggregated
+def test_ensure_target_upto_accumulates_per_step_allocations():
+    # behaviour 66
+    backend = ScriptedBackend()
+    a, b = make_task("a", backend), make_task("b", backend)
+    m = make_manager(backend, a, b, allocate=lambda bs, step: {"a": step, "b": bs - step})
+    try:
+        assert m.ensure_target_upto(4, 2) == {"a": 2, "b": 2}
+        assert m.target_samples == {"a": 3, "b": 5}
+        assert m.ensure_target_upto(4, 2) == {"a": 2, "b": 2} and m.target_samples == {"a": 3, "b": 5}
+    finally:
+        close(m)
+
+
+def test_produce_round_expired_and_pause_return_before_sampling():
+    # behaviour 29
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"tail_batch_trigger_size": 0})  # threshold 1
+    buf = AsyncReplayBuffer()
+    expired_group(buf, 9)
+    before = buf.state_dict()
+    stop = asyncio.Event()
+    try:
+        ctx = ProduceContext(2, 3, 0, buf, target=2, future_step=2, stop=stop)  # 2 - 0 - 1 >= 1: expired
+        assert run(task.strategy.produce_round(task, ctx)) == ProduceStatus.EXPIRED_BATCH
+        stop.set()
+        ctx.future_step = 1
+        assert run(task.strategy.produce_round(task, ctx)) == ProduceStatus.UPDATE_WEIGHT_AND_ABORT
+        assert task.sampler.groups_sampled == 0 and backend.requests == [] and buf.state_dict() == before
+    finally:
+        task.agent_loop.judge_pool.close()
+
+
+def test_get_batch_expired_semantics():
+    # behaviour 30
+    backend = ScriptedBackend()
+    task = make_task("t", backend, {"max_staleness": 0})
+    m = make_manager(backend, task)
+
+    async def go():
+        m._set_status(ProduceStatus.EXPIRED_BATCH)
+        m.model_step = 1
+        res = await m.get_batch(1, 3)  # 3 - 1 > 1: sync first
+        assert res.groups == [] and res.status == ProduceStatus.EXPIRED_BATCH
+        with pytest.raises(RuntimeError, match="EXPIRED_BATCH without a newer model or a ready batch"):
+            await m.get_batch(1, 2)
+        m.buffer.put(Group(0, "t", [done_sample(0, [1]), done_sample(1, [1])]))
+        res = await m.get_batch(1, 2)
+        assert [g.group_id for g in res.groups] == [0] and res.status == ProduceStatus.EXPIRED_BATCH
+        assert m.consumed_samples == {"t": 1} and m.next_consumer_step == 3
+
+    try:
+        run(go())
+    finally:
+        close(m)
+
+
+async def _trainer(m, backend, steps, batch, interval, log):
+    """A disaggregated trainer in miniature: get_batch, 'train', sync every `interval` steps."""
+    step = 1
+    while step <= steps:
+        res = await m.get_batch(batch, step, timeout_s=10)
+        if not res.groups:  # EXPIRED_BATCH: sync the newest weights, then retry the same step
+            await m.pause_produce()
+            backend.version = step - 1
+            await m.continue_produce(step - 1)
+            log.append(("expired", step))
+            continue
+        log.append(("batch", step, res))
+        await asyncio.sleep(0.002)  # training
+        if step % interval == 0 or res.status == ProduceStatus.EXPIRED_BATCH:
+            await m.pause_produce()
+            assert m.pending == 0
+            log.append(("saved", step, m.state_dict()))
+            backend.version = step
+            await m.continue_produce(step)
+        step += 1
+
+
+@pytest.mark.parametrize("interval,max_staleness,partial,oversample", [
+    (1, 0, False, 0.0), (2, 0, False, 0.0), (2, 1, True, 0.5), (1, 2, True, 1.0), (3, 1, True, 0.25),
+])
+def test_disaggregated_producer_respects_the_bound(interval, max_staleness, partial, oversample):
+    backend = ScriptedBackend(lambda uid: 1 + (uid * 7) % 9, tick=0.0005)
+    task = make_task("t", backend, {"max_staleness": max_staleness, "enable_partial_rollout": partial,
+                                    "over_sample_threshold": oversample, "tail_batch_trigger_size": 0},
+                     interval=interval, k=2)
+    m = make_manager(backend, task)
+    thr = (max_staleness + 1) * interval
+    ahead: list[int] = []
+    log: list = []
+
+    async def watch():
+        while True:
+            ahead.append(m.producer_future_step - m.model_step - 1)
+            await asyncio.sleep(0.001)
+
+    async def go():
+        producer = m.start_produce_loop(3)
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await _trainer(m, backend, 8, 3, interval, log)
+        finally:
+            watcher.cancel()
+            await m.shutdown()
+        assert producer.done() and m.pending == 0
+
+    try:
+        run(go())
+    finally:
+        close(m)
+    batches = [x for x in log if x[0] == "batch"]
+    assert [x[1] for x in batches] == list(range(1, 9))
+    uids = [s.uid for _, _, res in batches for g in res.groups for s in g.samples]
+    assert len(uids) == len(set(uids)) == 8 * 3 * 2
+    for _, step, res in batches:
+        assert len(res.groups) == 3
+        for g in res.groups:
+            for s in g.samples:
+                assert 0 <= s.staleness < thr and s.staleness == step - min(s.token_versions) - 1
+                assert len(s.response_ids) == len(s.token_versions) <= 64
+    assert max(ahead) <= thr  # the producer runs ahead at most to future = model + threshold
+    assert m.consumed_samples == {"t": 24}
+    # everything sampled is trained, stored or counted as discarded
+    assert task.sampler.groups_sampled == 24 + len(m.buffer) + m.buffer.discarded_expired
+
+
+def test_disaggregated_resume_waits_for_continue_produce():
+    # behaviour 33: restore -> (weight update) -> continue_produce(saved step); nothing generated before
+    backend = ScriptedBackend(lambda uid: 3, tick=0.0005)
+    task = make_task("t", backend, {"max_staleness": 1, "enable_partial_rollout": True, "over_sample_threshold": 1.0})
+    m = make_manager(backend, task)
+    log: list = []
+
+    async def first():
+        m.start_produce_loop(2)
+        await _trainer(m, backend, 2, 2, 1, log)
+        await m.shutdown()
+
+    backend2 = ScriptedBackend(lambda uid: 3, tick=0.0005)
+    task2 = make_task("t", backend2, {"max_staleness": 1, "enable_partial_rollout": True, "over_sample_threshold": 1.0})
+    m2 = make_manager(backend2, task2)
+
+    async def second(state):
+        m2.load_state_dict(state)
+        m2.start_produce_loop(2)
+        await asyncio.sleep(0.05)
+        assert backend2.requests == [] and m2.status == ProduceStatus.UPDATE_WEIGHT_AND_ABORT
+        backend2.version = state["progress"]["model_step"]
+        await m2.continue_produce(backend2.version)
+        res = await m2.get_batch(2, state["progress"]["next_consumer_step"], timeout_s=10)
+        await m2.shutdown()
+        return res
+
+    try:
+        run(first())
+        saved = [x for x in log if x[0] == "saved"][-1][2]
+        assert saved["progress"]["next_consumer_step"] == 3 and saved["progress"]["model_step"] == 1
+        res = run(second(saved))
+        assert len(res.groups) == 2 and backend2.requests
+        trained_before = {g.group_id for x in log if x[0] == "batch" for g in x[2].groups}
+        assert not trained_before & {g.group_id for g in res.groups}
+    finally:
+        close(m)
+        close(m2)
+
+
+def test_get_batch_surfaces_producer_errors_and_times_out():
+    backend = ScriptedBackend()
+    task = make_task("t", backend)
+    m = make_manager(backend, task)
+
+    async def go():
+        with pytest.raises(RuntimeError, match="no producer is running"):
+            await m.get_batch(1, 1)
+        task.sampler.sample_group = lambda: (_ for _ in ()).throw(OSError("disk gone"))
+        m.start_produce_loop(1)
+        with pytest.raises(RuntimeError, match="background producer failed") as ei:
+            await m.get_batch(1, 1, timeout_s=5)
+        assert isinstance(ei.value.__cause__, OSError)
+
+    async def slow():
+        backend.script, backend.tick = (lambda uid: 10_000), 0.05
+        m2 = make_manager(backend, make_task("u", backend))
+        m2.start_produce_loop(1)
+        try:
+            with pytest.raises(TimeoutError):
+                await m2.get_batch(1, 1, timeout_s=0.2)
+        finally:
+            await m2.shutdown()
+            close(m2)
+
+    try:
+        run(go())
+        run(slow())
+    finally:
+        close(m)
+
+
+# ============================================================== property: colocated windows
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=6, max_size=6),
+    steps=st.integers(2, 6),
+    interval=st.integers(1, 3),
+    max_staleness=st.integers(0, 2),
+    partial=st.booleans(),
+    oversample=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    tail=st.sampled_from([-1, 0, 1, 3]),
+    tries=st.sampled_from([None, 1, 3]),
+    token_staleness=st.sampled_from([None, 0]),
+    batch=st.integers(1, 4),
+)
+def test_colocated_windows_lose_nothing_and_respect_the_bound(lengths, steps, interval, max_staleness, partial,
+                                                              oversample, tail, tries, token_staleness, batch):
+    backend = ScriptedBackend(lambda uid: lengths[uid % 6])
+    task = make_task("t", backend, {
+        "max_staleness": max_staleness, "enable_partial_rollout": partial, "over_sample_threshold": oversample,
+        "tail_batch_trigger_size": tail, "tail_batch_max_tries": tries,
+        "max_token_staleness": min(token_staleness, max_staleness) if token_staleness is not None else None,
+    }, interval=interval, max_tokens=8)
+    m = make_manager(backend, task)
+    thr = (max_staleness + 1) * interval
+    trained: list[int] = []
+    discarded = 0
+    try:
+        for step in range(1, steps + 1):
+            res = run(window(m, backend, batch, step, interval))
+            assert task.strategy.pending == 0
+            discarded += res.metrics["rollout/dropped_retry_groups"] + res.metrics["rollout/filtered_groups"]
+            discarded += res.metrics["rollout/failed_groups"]
+            for g in res.groups:
+                trained.append(g.group_id)
+                for s in g.samples:
+                    assert s.status == Status.COMPLETED and s.reward is not None
+                    assert len(s.response_ids) == len(s.token_versions) == len(s.logprobs) <= 8
+                    assert s.token_versions == sorted(s.token_versions)
+                    assert s.staleness == step - min(s.token_versions) - 1 < thr
+            if step < steps:  # a checkpoint between any two steps changes nothing
+                state = pickle.loads(pickle.dumps(m.state_dict()))
+                fresh = AsyncReplayBuffer()
+                fresh.load_state_dict(state["buffer"])
+                assert fresh.state_dict() == state["buffer"]
+                m.buffer = fresh
+        assert len(trained) == len(set(trained))
+        stored = [g.group_id for g in m.buffer.groups()]
+        assert not set(stored) & set(trained)
+        assert task.sampler.groups_sampled == len(trained) + len(stored) + discarded + m.buffer.discarded_expired
+    finally:
+        close(m)
