@@ -15,10 +15,11 @@ $(PY):
 
 # torch==2.13.0 is the CPU build this machine kind keeps on disk; an environment that already
 # has a torch (say a CUDA build on a GPU box) keeps it.
-$(STAMP): pyproject.toml plugins/rlcli-math-verify/pyproject.toml | $(PY)
+$(STAMP): pyproject.toml plugins/rlcli-math-verify/pyproject.toml plugins/rlcli-python-tool/pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[dev]"
 	$(PIP) install -e ./plugins/rlcli-math-verify
+	$(PIP) install -e ./plugins/rlcli-python-tool
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -27,10 +28,10 @@ quickstart: $(STAMP)
 	$(VENV)/bin/rlcli train recipes/quickstart.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests plugins/rlcli-math-verify/tests
+	$(PY) -m pytest -q -m "not gpu" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not slow" tests plugins/rlcli-math-verify/tests
+	$(PY) -m pytest -q -m "not gpu and not slow" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests

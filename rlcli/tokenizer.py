@@ -2,7 +2,7 @@
 
 ``builtin:arith`` is a character-level tokenizer for arithmetic toy tasks (digits, operators,
 space, lower-case letters), ``builtin:digits`` a smaller one (digits and ``+-*=`` only) and
-``builtin:calc`` the one of the tool-use toy (digits, ``+-*/%().=``, space and newline - the
+``builtin:calc`` the one of the tool-use toy (digits, ``+-*/%().=?``, space and newline - the
 newline is its own token, so a model can end a turn with it; no letters, so a random model's
 guesses are spread over few tokens); all have a chat template that concatenates message
 contents. It is saved
@@ -44,7 +44,7 @@ def _char_tokenizer(chars: list[str], split: str = ".") -> PreTrainedTokenizerFa
 BUILTIN_TOKENIZERS = {
     "arith": lambda: _char_tokenizer(_ARITH_CHARS),
     "digits": lambda: _char_tokenizer(list("0123456789+-*=")),
-    "calc": lambda: _char_tokenizer(list("0123456789+-*/%().= \n"), split=r"[\s\S]"),
+    "calc": lambda: _char_tokenizer(list("0123456789+-*/%().=? \n"), split=r"[\s\S]"),
 }
 
 

@@ -97,4 +97,6 @@ class SingleTurnAgentLoop(AgentLoop):
 
 @hookimpl
 def register_agent_loops():
-    return [SingleTurnAgentLoop]
+    from rlcli.agent_loops.multi_turn import MultiTurnAgentLoop
+
+    return [SingleTurnAgentLoop, MultiTurnAgentLoop]

@@ -1,0 +1,105 @@
+"""rlcli plugin: ``python``, a tool that runs model-written Python code in a sandbox.
+
+The model sends ``{"code": "..."}``; the code runs in a separate ``python -I -S`` process in a
+fresh temporary directory with CPU, memory, file-size, open-file and process limits, a
+wall-clock timeout that kills its whole process group, no network and an audit-hook policy on
+files and processes (what is and is not guaranteed: :mod:`rlcli_python_tool.sandbox`). The
+tool's output is what the code printed; a failure adds its status and stderr::
+
+    [status: error, exit code 1]
+    ...stdout...
+    [stderr]
+    Traceback (most recent call last): ...
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from rlcli import hookimpl
+from rlcli.tools import Tool, ToolConfig, ToolOutput
+from rlcli_python_tool.sandbox import Limits, SandboxResult, namespaces_available, run_python
+
+__all__ = ["PythonTool", "PythonToolConfig", "Limits", "SandboxResult", "run_python", "namespaces_available",
+           "format_result"]
+__version__ = "0.1.0"
+
+
+class PythonToolConfig(ToolConfig):
+    timeout_s: float = Field(10.0, gt=0, description="Wall-clock limit per call; the process group is killed after it.")
+    max_output_chars: int = Field(2000, gt=0, description="Longer tool output (stdout and stderr) is cut to this.")
+    max_concurrency: int | None = Field(
+        default_factory=lambda: max(1, os.cpu_count() or 1), gt=0,
+        description="Sandboxes running at once (default: the number of CPUs).")
+    cpu_time_s: int = Field(5, gt=0, description="CPU seconds (RLIMIT_CPU).")
+    memory_mb: int = Field(512, gt=0, description="Address space in MiB (RLIMIT_AS); a larger allocation raises MemoryError.")
+    file_size_mb: int = Field(16, ge=0, description="Largest file the code may write, in MiB (RLIMIT_FSIZE).")
+    open_files: int = Field(64, gt=3, description="Open file descriptors (RLIMIT_NOFILE).")
+    processes: int = Field(
+        0, ge=0, description="RLIMIT_NPROC: processes and threads the user may have (0: none new; not enforced for root).")
+    network: Literal["auto", "namespace", "audit"] = Field(
+        "auto", description="auto: a network namespace when `unshare` works here, else the audit hook alone; "
+        "namespace: require it; audit: never use namespaces.")
+    python: str | None = Field(None, description="Interpreter to run the code with (default: the one running rlcli).")
+
+
+def format_result(r: SandboxResult, limit: int) -> ToolOutput:
+    """The tool output for one run: stdout alone on success, else status, stdout and stderr."""
+    if r.ok and not r.stderr.strip():
+        text = r.stdout + ("\n[output truncated]" if r.stdout_truncated else "")
+        return ToolOutput(text if text.strip() else "[no output]", ok=True)
+    head = f"[status: {r.status}" + (f", exit code {r.exit_code}" if r.exit_code is not None else "") + "]"
+    stderr = r.stderr
+    if len(stderr) > limit // 2:  # keep the end of a traceback: the exception is there
+        stderr = "..." + stderr[-(limit // 2):]
+    parts = [head]
+    if r.stdout:
+        parts.append(r.stdout.rstrip("\n") + ("\n[output truncated]" if r.stdout_truncated else ""))
+    if stderr.strip():
+        parts += ["[stderr]", stderr.rstrip("\n")]
+    return ToolOutput("\n".join(parts), ok=r.ok)
+
+
+class PythonTool(Tool):
+    """Runs Python code in a sandboxed subprocess and returns what it printed."""
+
+    name: ClassVar[str] = "python"
+    Config: ClassVar[type[PythonToolConfig]] = PythonToolConfig
+    config: PythonToolConfig
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Python 3 source; print() what you need to see."}},
+        "required": ["code"],
+    }
+
+    def limits(self) -> Limits:
+        c = self.config
+        return Limits(cpu_s=c.cpu_time_s, wall_s=c.timeout_s, memory_mb=c.memory_mb, file_mb=c.file_size_mb,
+                      open_files=c.open_files, processes=c.processes, output_bytes=max(4096, 4 * c.max_output_chars))
+
+    def run_timeout_s(self) -> float:
+        return self.config.timeout_s + 5.0  # the sandbox kills at timeout_s and reports what it has
+
+    async def execute(self, code: str) -> SandboxResult:
+        """Run ``code`` in the sandbox and return the full result (for callers other than agent loops)."""
+        return await run_python(code, self.limits(), python=self.config.python, network=self.config.network)
+
+    async def call(self, arguments: dict[str, Any]) -> ToolOutput:
+        code = arguments.get("code")
+        unknown = sorted(set(arguments) - {"code"})
+        if not isinstance(code, str):
+            return ToolOutput("error: argument 'code' (a string of Python source) is required", ok=False)
+        if unknown:
+            return ToolOutput(f"error: unknown argument(s) {', '.join(map(repr, unknown))}", ok=False)
+        result = await self.execute(code)
+        if result.status == "sandbox_error":  # the sandbox itself could not run: not the model's fault
+            raise RuntimeError(result.stderr)
+        return format_result(result, self.config.max_output_chars)
+
+
+@hookimpl
+def register_tools():
+    return [PythonTool]

@@ -1,0 +1,201 @@
+# The first code the sandboxed interpreter runs (``python -I -S -c <this file's text> ROOT LIMITS``).
+#
+# It lowers the resource limits (soft = hard, so the code cannot raise them again), reads and
+# compiles ROOT/main.py, installs an audit hook that enforces the file, process, network and
+# introspection policy described in sandbox.py, and then executes the code as ``__main__``.
+# Audit hooks cannot be removed once added. The hook reads nothing from module globals or
+# builtins at call time - everything it uses is bound as a default argument when it is made -
+# so code that replaces ``os.path.abspath`` or ``builtins.isinstance`` does not change its
+# decisions; it is not stored anywhere the sandboxed code can reach.
+import sys
+
+
+def _setup():
+    import json
+    import os
+    import resource
+
+    root, limits = sys.argv[1], json.loads(sys.argv[2])
+
+    def limit(name, soft, hard=None):
+        which = getattr(resource, name, None)
+        if which is None or soft is None:
+            return
+        try:
+            resource.setrlimit(which, (soft, soft if hard is None else hard))
+        except (ValueError, OSError) as exc:  # fail closed: never run without a requested limit
+            os.write(2, f"[sandbox] cannot set {name}: {exc}\n".encode())
+            os._exit(70)
+
+    # CPU: SIGXCPU at the soft limit, SIGKILL one second later (if SIGXCPU is ignored)
+    limit("RLIMIT_CPU", limits["cpu_s"], limits["cpu_s"] + 1)
+    limit("RLIMIT_AS", limits["memory_bytes"])
+    limit("RLIMIT_FSIZE", limits["file_bytes"])
+    limit("RLIMIT_NOFILE", limits["open_files"])
+    limit("RLIMIT_NPROC", limits["processes"])
+    limit("RLIMIT_CORE", 0)
+
+    with open(os.path.join(root, "main.py"), encoding="utf-8") as f:
+        source = f.read()
+
+    # special files (device nodes, FIFOs) have no audit event: take the functions away
+    for mod in (os, sys.modules.get("posix")):
+        for fn in ("mknod", "mkfifo"):
+            if mod is not None and hasattr(mod, fn):
+                delattr(mod, fn)
+
+    read_roots = []
+    for p in [os.path.dirname(os.__file__)] + [p for p in sys.path if p]:
+        real = os.path.realpath(p)
+        if real not in read_roots and real != "/":
+            read_roots.append(real)
+    sys.addaudithook(_make_hook(os.path.realpath(root), tuple(read_roots), os))
+    return compile(source, "main.py", "exec")
+
+
+_DENY = frozenset({
+    # new processes and signals to other processes
+    "os.system", "os.exec", "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.startfile",
+    "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn",
+    # network (the socket module cannot even be imported; this is a second line)
+    "socket.__new__", "socket.bind", "socket.connect", "socket.getaddrinfo", "socket.gethostbyname",
+    "socket.gethostbyaddr", "socket.getnameinfo", "socket.sendto", "socket.sendmsg", "socket.socketpair",
+    # raising limits, native code, hand-made bytecode, reaching the hook through the interpreter
+    "resource.setrlimit", "resource.prlimit", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata",
+    "ctypes.addressof", "ctypes.call_function", "code.__new__", "sys._current_frames",
+    "sys._current_exceptions", "sys.setprofile", "sys.settrace", "gc.get_objects", "gc.get_referrers",
+    "gc.get_referents", "sys.addaudithook", "os.add_dll_directory",
+})
+_BLOCKED_MODULES = frozenset({
+    "ctypes", "_ctypes", "socket", "_socket", "ssl", "_ssl", "subprocess", "_posixsubprocess", "multiprocessing",
+    "_multiprocessing", "_posixshmem", "pty", "fcntl", "termios", "_testcapi", "_testinternalcapi",
+    "_testbuffer", "_testmultiphase", "_xxsubinterpreters", "_xxinterpchannels", "_xxtestfuzz", "_ctypes_test",
+    "faulthandler", "tracemalloc", "_tracemalloc", "_lsprof", "readline",
+})
+# events whose str/bytes arguments are paths that must lie inside the sandbox (writes, deletes)
+_WRITE_EVENTS = frozenset({
+    "os.mkdir", "os.rmdir", "os.remove", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.utime",
+    "os.chflags", "os.lchflags", "os.lchmod", "os.lchown", "os.setxattr", "os.removexattr", "os.chdir",
+    "os.lockf", "shutil.copyfile", "shutil.copymode", "shutil.copystat", "shutil.copytree", "shutil.rmtree",
+    "shutil.move", "shutil.chown", "shutil.make_archive", "shutil.unpack_archive",
+})
+# events that read a path: inside the sandbox or the standard library
+_READ_EVENTS = frozenset({"os.listdir", "os.scandir", "os.walk", "os.fwalk", "os.getxattr", "os.listxattr",
+                          "glob.glob", "glob.glob/2"})
+# positions of dir_fd arguments: a path relative to a directory descriptor is not checkable here
+_DIR_FD_ARGS = {"os.mkdir": (2,), "os.rmdir": (1,), "os.remove": (1,), "os.rename": (2, 3), "os.chmod": (2,),
+                "os.chown": (3,), "os.utime": (3,), "glob.glob/2": (3,)}
+# events that create links, which could point out of the sandbox
+_LINK_EVENTS = frozenset({"os.link", "os.symlink"})
+
+
+def _make_hook(root, read_roots, os):
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    dir_flags = getattr(os, "O_PATH", 0) | getattr(os, "O_DIRECTORY", 0)
+
+    def hook(event, args, _root=root, _roots=read_roots, _deny=_DENY, _blocked=_BLOCKED_MODULES,
+             _writes=_WRITE_EVENTS, _reads=_READ_EVENTS, _dir_fd_args=_DIR_FD_ARGS, _links=_LINK_EVENTS,
+             _wflags=write_flags, _dflags=dir_flags, _getcwd=os.getcwd, _stat=os.stat, _write=os.write,
+             _type=type, _str=str, _bytes=bytes, _int=int, _bool=bool, _len=len, _issubclass=issubclass,
+             _PermissionError=PermissionError, _OSError=OSError, _startswith=str.startswith,
+             _split=str.split, _join=str.join, _decode=bytes.decode, _as_str=str.__str__,
+             _as_bytes=bytes.__bytes__, _repr=repr, _encode=str.encode):
+        # Only exact types are trusted: str/bytes subclasses are read through the base class,
+        # and no method of an object the sandboxed code made is ever called.
+
+        def deny(what):
+            _write(2, _encode("[sandbox] denied " + what + "\n", "utf-8", "replace"))
+            raise _PermissionError("sandbox: " + what + " is not allowed")
+
+        def as_text(p):
+            t = _type(p)
+            if _issubclass(t, _str):
+                return _as_str(p)
+            if _issubclass(t, _bytes):
+                return _decode(_as_bytes(p), "utf-8", "surrogateescape")
+            return None
+
+        def is_fd(p):
+            t = _type(p)
+            return _issubclass(t, _int) and not _issubclass(t, _bool)
+
+        def absolute(p):
+            if not _startswith(p, "/"):
+                p = _getcwd() + "/" + p
+            parts = []
+            for seg in _split(p, "/"):
+                if seg == "" or seg == ".":
+                    continue
+                if seg == "..":
+                    if parts:
+                        parts.pop()
+                    continue
+                parts.append(seg)
+            return "/" + _join("/", parts)
+
+        def inside(p, base):
+            return p == base or _startswith(p, base + "/")
+
+        def check(p, write, what):
+            """Returns the absolute path (None for a descriptor); denies what the policy forbids."""
+            text = as_text(p)
+            if text is None:
+                if is_fd(p):
+                    return None  # an open descriptor: only ones opened under this policy exist
+                deny(what + " of a non-str path (pass paths as str)")
+            full = absolute(text)
+            if inside(full, _root):
+                return full
+            if not write:
+                for r in _roots:
+                    if inside(full, r):
+                        return full
+            deny(what + " " + _repr(full))
+
+        if event == "open":
+            path = args[0] if _len(args) > 0 else None
+            mode = args[1] if _len(args) > 1 else None
+            flags = args[2] if _len(args) > 2 else 0
+            if path is None:
+                return
+            write = is_fd(flags) and (flags & _wflags) != 0
+            if _type(mode) is _str:
+                for c in "wax+":
+                    if c in mode:
+                        write = True
+            full = check(path, write, "opening")
+            if full is not None and not inside(full, _root):  # a read of the standard library
+                if is_fd(flags) and (flags & _dflags):
+                    deny("opening a directory outside the sandbox")
+                try:
+                    st = _stat(full)
+                except _OSError:
+                    return
+                if (st.st_mode & 0o170000) != 0o100000:  # regular files only (no directory fds)
+                    deny("opening " + _repr(full) + " (not a regular file)")
+            return
+        if event in _deny or event in _links:
+            deny(event)
+        if event == "import":
+            name = as_text(args[0]) if args else None
+            if name is not None and _split(name, ".")[0] in _blocked:
+                deny("importing " + name)
+            return
+        if event in _writes or event in _reads:
+            for i in _dir_fd_args.get(event, ()):
+                if _len(args) > i and args[i] is not None and args[i] != -1:
+                    deny(event + " with dir_fd")
+            if event not in _writes and (not args or args[0] is None):
+                return  # os.listdir() / os.scandir(): the working directory, always inside
+            for a in args:
+                if as_text(a) is not None:
+                    check(a, event in _writes, event)
+            return
+
+    return hook
+
+
+if __name__ == "__main__":  # run by `python -c`; importing this module does nothing
+    _code = _setup()
+    del _setup, _make_hook
+    exec(_code, {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "main.py"})
