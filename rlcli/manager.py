@@ -469,6 +469,11 @@ class RolloutManager:
         for t in self.tasks:
             for k, v in t.sampler.pop_stats().items():
                 m[k] = m.get(k, 0.0) + v
+            extra = getattr(t.agent_loop, "rollout_metrics", None)  # e.g. tool/* of multi-turn loops
+            if extra is not None:
+                mine = [s for g in groups if g.task_name == t.name for s in g.samples]
+                for k, v in extra(mine).items():
+                    m[f"task/{t.name}/{k}" if multi else k] = v
         return m
 
     # ============================================================================ checkpoint

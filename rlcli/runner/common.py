@@ -216,13 +216,19 @@ def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=
 
 
 def sample_row(s: Sample) -> dict[str, Any]:
-    return {
+    from rlcli.agent_loops.multi_turn import episode_stats
+
+    row = {
         "task_name": s.task_name, "uid": s.uid, "group_id": s.group_id, "data_source": s.data_source,
         "prompt": s.prompt_text, "response": s.response, "label": s.label,
         "reward": s.reward.get("score") if s.reward else None, "reward_details": s.reward,
         "status": s.status.value, "finish_reason": s.finish_reason, "error": s.error,
         "prompt_tokens": len(s.prompt_ids), "response_tokens": len(s.response_ids), "staleness": s.staleness,
     }
+    episode = episode_stats(s)
+    if episode is not None:
+        row["tool_turns"], row["tool_calls"] = episode["turns"], episode["tool_calls"]
+    return row
 
 
 class Evaluator:
