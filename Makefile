@@ -15,11 +15,13 @@ $(PY):
 
 # torch==2.13.0 is the CPU build this machine kind keeps on disk; an environment that already
 # has a torch (say a CUDA build on a GPU box) keeps it.
-$(STAMP): pyproject.toml plugins/rlcli-math-verify/pyproject.toml plugins/rlcli-python-tool/pyproject.toml | $(PY)
+$(STAMP): pyproject.toml plugins/rlcli-math-verify/pyproject.toml plugins/rlcli-python-tool/pyproject.toml \
+		plugins/rlcli-vllm/pyproject.toml plugins/rlcli-sglang/pyproject.toml plugins/rlcli-lmdeploy/pyproject.toml | $(PY)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PIP) install -e ".[dev]"
 	$(PIP) install -e ./plugins/rlcli-math-verify
 	$(PIP) install -e ./plugins/rlcli-python-tool
+	$(PIP) install -e ./plugins/rlcli-vllm -e ./plugins/rlcli-sglang -e ./plugins/rlcli-lmdeploy
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,10 +30,10 @@ quickstart: $(STAMP)
 	$(VENV)/bin/rlcli train recipes/quickstart.yaml
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests
+	$(PY) -m pytest -q -m "not gpu" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests plugins/rlcli-vllm/tests plugins/rlcli-sglang/tests plugins/rlcli-lmdeploy/tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not gpu and not slow" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests
+	$(PY) -m pytest -q -m "not gpu and not slow" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests plugins/rlcli-vllm/tests plugins/rlcli-sglang/tests plugins/rlcli-lmdeploy/tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests

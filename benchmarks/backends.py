@@ -1,0 +1,594 @@
+"""Inference engines behind rlcli on one GPU: conformance kit, a 3-step GRPO run, and throughput
+through rlcli against the same engine driven bare.
+
+    python benchmarks/backends.py --engine vllm --out results/backends      # GPU machine with vLLM
+    python benchmarks/backends.py --engine sglang --out results/backends
+    python benchmarks/backends.py --engine lmdeploy --out results/backends
+    python benchmarks/backends.py --engine embedded --tiny                   # CPU: checks the script, measures nothing
+
+Sections (``--sections run,conformance`` by default; each failure is recorded and the rest runs):
+
+run
+    The Qwen2.5-0.5B-shaped random model, tokenizer and prompts of ``benchmarks/grpo_step.py``;
+    ``ColocateRunner`` builds the trainer and the backend (``rollout.name=<engine>``) as
+    ``rlcli train`` would. Before training, with the trainer already on the GPU:
+
+    * **throughput through rlcli**: 64 prompts x 8 copies = 512 concurrent ``backend.generate``
+      calls (as the agent loop sends them), 256 forced new tokens each (``ignore_eos``,
+      ``min_tokens``), temperature 1; one warm-up round, then the best of two timed rounds, in
+      generated tokens per second; once without and once with per-request seeds;
+    * **bare**: the same engine object, same prompts and sampling, driven through the engine's own
+      offline path on the plugin's engine thread - vLLM: ``LLMEngine.add_request`` + ``step()``
+      until done (``LLM.generate``'s loop, ``FINAL_ONLY`` outputs); SGLang: one batched
+      ``generate_request`` (what ``Engine.generate(input_ids=[...])`` sends); LMDeploy: one
+      ``EngineInstance.async_stream_infer`` stream per prompt (the pipeline without text);
+      embedded: ``EmbeddedEngine.step()`` until done.
+
+    Then three GRPO steps (``runner.fit()``: rollout, sleep, train, weight sync, wake up), the
+    recipe of ``grpo_step.py`` (reward = response length mod 7, lr 1e-6).
+conformance
+    Every check of ``rlcli.testing.backend_conformance`` on two tiny qwen2 models (hidden 256,
+    head dim 64, as engines' attention kernels want), with the engine's tolerances, each check
+    recorded as pass / FAIL (message) / not run; then the plugin checks of the same properties
+    the kit cannot see for an engine: logprobs against the forward pass in the range the engine's
+    logprob mode is exact, and free device memory after ``sleep(1)``/``sleep(2)``
+    (``torch.cuda.mem_get_info``: the kit reads ``memory_allocated``, blind to vLLM's sleep-mode
+    pool and to SGLang's scheduler process).
+
+Output: ``RESULT {json}`` lines; with ``--out DIR``: ``results-<engine>.json`` and
+``backends-<engine>.md`` (rows for docs/backends.md). ``--deadline-s`` (default 540) stops
+starting new work when the device call's 600 s limit comes close; what did not run says so.
+
+On the project's offline H200 (no network; read ../shared/tools/README.md first). Here, build the
+carry folders of the engine plus what the device lacks for rlcli itself (pydantic):
+
+    ../shared/tools/wheelhouse --exclude pynvvideocodec vllm==0.26.0 pydantic      # 18 chunks for vLLM
+    ../shared/tools/wheelhouse --exclude pynvvideocodec sglang==0.5.17 pydantic    # 21 chunks
+    ../shared/tools/wheelhouse --exclude pynvvideocodec lmdeploy==0.18.0 pydantic  # 27 chunks
+
+then, on the device, one call per chunk back to back (the machine and its /tmp are given back
+~30 s after a call): ``carry [".carry/wh-NN"]``, command ``mkdir -p /tmp/wh && cp .carry/wh-NN/*
+/tmp/wh/``; and finally, in one call of at most 600 s:
+
+    bash /tmp/wh/INSTALL.sh && export PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH && \\
+        python benchmarks/backends.py --engine vllm --out $OUT
+
+Neither rlcli nor the plugin needs installing there: this script puts the repository and
+``plugins/rlcli-<engine>`` on ``sys.path`` and registers the plugin in the recipe's registry
+itself. If one call cannot hold everything, run ``--sections run`` and ``--sections conformance``
+in two calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib
+import json
+import math
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+for _plugin in ("rlcli-vllm", "rlcli-sglang", "rlcli-lmdeploy"):
+    sys.path.insert(0, str(REPO / "plugins" / _plugin))
+
+import grpo_step as gs  # noqa: E402  (model, tokenizer, prompts and recipe of the GRPO benchmark)
+
+ENGINES = ("embedded", "vllm", "sglang", "lmdeploy")
+PLUGIN_MODULES = {"vllm": "rlcli_vllm", "sglang": "rlcli_sglang", "lmdeploy": "rlcli_lmdeploy"}
+K = 8  # copies of each prompt
+GRPO_STEPS = 3
+RESULTS: list[dict] = []
+START = time.monotonic()
+DEADLINE_S = 540.0
+
+
+def result(**kw) -> dict:
+    RESULTS.append(kw)
+    print("RESULT " + json.dumps(kw, default=str), flush=True)
+    return kw
+
+
+def time_left() -> float:
+    return DEADLINE_S - (time.monotonic() - START)
+
+
+def engine_version(engine: str) -> str:
+    if engine == "embedded":
+        import rlcli
+
+        return f"rlcli {rlcli.__version__}"
+    import importlib.metadata as md
+
+    try:
+        return f"{engine} {md.version(engine)}"
+    except md.PackageNotFoundError:
+        return f"{engine} (not installed)"
+
+
+# ------------------------------------------------------------------------------------------
+# Engine settings: the big run (0.5B model next to its trainer) and the tiny conformance models
+# ------------------------------------------------------------------------------------------
+def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
+    common = {"max_model_len": 512, "max_batch_size": sequences}
+    return {
+        "embedded": {"name": "embedded", **common},
+        "vllm": {"name": "vllm", "gpu_memory_utilization": 0.35, **common},
+        "sglang": {"name": "sglang", "mem_fraction_static": 0.35, **common},
+        "lmdeploy": {"name": "lmdeploy", "cache_max_entry_count": 0.35, **common},
+    }[engine]
+
+
+def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.dtype]:
+    """``(make_backend, kit options, dtype)`` for the tiny conformance models."""
+    from rlcli.testing import backend_conformance as bc
+
+    bf16_options = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
+                    "logprobs_match_forward": {"atol": 0.15},
+                    "pause_returns_partial_and_continue": {"exact_continuation": False},
+                    "many_concurrent": {"batch_invariant": False}}
+    fp32_options = {"greedy_matches_reference": {"min_exact_fraction": 0.8},
+                    "logprobs_match_forward": {"atol": 2e-3},
+                    "many_concurrent": {"batch_invariant": False}}
+    if engine == "embedded":
+        from rlcli.backends.embedded import EmbeddedBackend
+
+        dtype = torch.float32
+        cfg = EmbeddedBackend.Config(max_batch_size=64)
+        return (lambda d: EmbeddedBackend(cfg, bc.default_context(d, device=device, dtype=dtype))), {}, dtype
+    mod = importlib.import_module(PLUGIN_MODULES[engine])
+    if engine == "vllm":
+        cls, dtype, options = mod.VLLMBackend, torch.float32, fp32_options
+        settings = dict(gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512)
+    elif engine == "sglang":
+        cls, dtype, options = mod.SGLangBackend, torch.float32, fp32_options
+        settings = dict(mem_fraction_static=0.25, max_model_len=512)
+    else:
+        cls, dtype, options = mod.LMDeployBackend, torch.bfloat16, bf16_options
+        settings = dict(cache_max_entry_count=0.25, max_model_len=512, max_batch_size=256)
+    cfg = cls.Config(**settings)
+    return (lambda d: cls(cfg, bc.default_context(d, device=device, dtype=dtype))), options, dtype
+
+
+# Kit checks each engine fails by design, with the reason (reported next to the result).
+BY_DESIGN = {
+    "vllm": {"logprobs_match_forward": "vLLM renormalises over top-k/top-p in processed_logprobs mode",
+             "sleep_wake": "memory_allocated() does not see vLLM's sleep-mode memory pool"},
+    "sglang": {"sleep_wake": "memory_allocated() does not see SGLang's scheduler process",
+               "seeded_sampling_batch_invariant": "request seeds are off by default (flashinfer sampling)"},
+    "lmdeploy": {"logprobs_match_forward": "LMDeploy returns temperature-1 logprobs",
+                 "sleep_wake": "memory_allocated() does not see memory freed by LMDeploy's offload"},
+}
+
+
+# ------------------------------------------------------------------------------------------
+# Throughput: through rlcli and bare, on the same engine object
+# ------------------------------------------------------------------------------------------
+def workload(seed: int = 2) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, gs.SHAPE["vocab"] - 3, (gs.PROMPT_LEN,), generator=g).tolist() for _ in range(gs.PROMPTS)]
+
+
+def through_rlcli(backend, prompts: list[list[int]], seeded: bool) -> float:
+    from rlcli.backends.base import GenerateRequest
+    from rlcli.types import SampleParams
+
+    params = SampleParams(max_tokens=gs.NEW, min_tokens=gs.NEW, ignore_eos=True, temperature=1.0)
+    if hasattr(backend, "_use_seeds"):
+        backend._use_seeds = seeded  # the runtime's switch behind the use_request_seeds option
+
+    async def once() -> float:
+        reqs = [GenerateRequest(p, params, seed=(i * K + j) if seeded else None)
+                for i, p in enumerate(prompts) for j in range(K)]
+        t = time.perf_counter()
+        outs = await asyncio.gather(*(backend.generate(r) for r in reqs))
+        dt = time.perf_counter() - t
+        bad = [o for o in outs if len(o.token_ids) != gs.NEW]
+        if bad:
+            raise RuntimeError(f"{len(bad)} responses are not {gs.NEW} tokens: {bad[0].finish_reason} {bad[0].error}")
+        return sum(len(o.token_ids) for o in outs) / dt
+
+    loop = asyncio.new_event_loop()
+    try:
+        rates = [loop.run_until_complete(once()) for _ in range(3)]
+    finally:
+        loop.close()
+    return max(rates[1:])
+
+
+def bare(engine: str, backend, prompts: list[list[int]]) -> float:
+    """Generated tok/s of the engine's own offline path on the backend's engine object."""
+    reqs = [p for p in prompts for _ in range(K)]
+    if engine == "embedded":
+        from rlcli.backends.base import GenerateRequest
+        from rlcli.types import SampleParams
+
+        eng = backend.engine
+        params = SampleParams(max_tokens=gs.NEW, min_tokens=gs.NEW, ignore_eos=True, temperature=1.0)
+
+        def once() -> float:
+            t = time.perf_counter()
+            with backend._lock:
+                for i, p in enumerate(reqs):
+                    eng.submit(eng.make_sequence(GenerateRequest(p, params), i))
+                n = 0
+                while eng.has_work():
+                    n += sum(len(out.token_ids) for _, out in eng.step())
+            return n / (time.perf_counter() - t)
+
+        rates = [once() for _ in range(3)]
+        return max(rates[1:])
+
+    counter = iter(range(10**9, 2 * 10**9))
+
+    async def vllm_once() -> float:
+        eng, api = backend._engine, backend._api
+        sp = api.SamplingParams(n=1, max_tokens=gs.NEW, min_tokens=gs.NEW, ignore_eos=True, temperature=1.0,
+                                top_p=1.0, logprobs=0, detokenize=False,
+                                output_kind=api.RequestOutputKind.FINAL_ONLY)
+        t = time.perf_counter()
+        for p in reqs:
+            eng.add_request(f"bare-{next(counter)}", {"prompt_token_ids": p}, sp)
+        n = 0
+        while eng.has_unfinished_requests():
+            n += sum(len(o.outputs[0].token_ids) for o in eng.step() if o.finished)
+        return n / (time.perf_counter() - t)
+
+    async def sglang_once() -> float:
+        obj = backend._api.GenerateReqInput(
+            input_ids=reqs, sampling_params={"max_new_tokens": gs.NEW, "ignore_eos": True, "temperature": 1.0,
+                                             "top_p": 1.0}, return_logprob=True)
+        t = time.perf_counter()
+        gen = backend._tm.generate_request(obj, None)
+        try:
+            outs = await gen.__anext__()
+        finally:
+            await gen.aclose()  # leaves SGLang's model-update lock (a weight update waits for it)
+        dt = time.perf_counter() - t
+        return sum(o["meta_info"]["completion_tokens"] for o in outs) / dt
+
+    async def lmdeploy_once() -> float:
+        gc_ = backend._api.GenerationConfig(max_new_tokens=gs.NEW, min_new_tokens=gs.NEW, ignore_eos=True,
+                                            do_sample=True, temperature=1.0, top_p=1.0, top_k=0, logprobs=1)
+
+        async def one(p) -> int:
+            inst = await backend._pool.get()
+            try:
+                n = 0
+                async for out in inst.async_stream_infer(next(counter), p, gen_config=gc_):
+                    n += len(out.token_ids)
+                return n
+            finally:
+                backend._pool.put_nowait(inst)
+
+        t = time.perf_counter()
+        n = sum(await asyncio.gather(*(one(p) for p in reqs)))
+        return n / (time.perf_counter() - t)
+
+    once = {"vllm": vllm_once, "sglang": sglang_once, "lmdeploy": lmdeploy_once}[engine]
+    rates = [backend._loop.call(once()) for _ in range(3)]
+    return max(rates[1:])
+
+
+# ------------------------------------------------------------------------------------------
+# Section "run": throughput, then 3 GRPO steps through ColocateRunner
+# ------------------------------------------------------------------------------------------
+def section_run(engine: str, root: Path) -> None:
+    from rlcli import hookimpl
+    from rlcli.config import validate_recipe
+    from rlcli.judgers.base import Judger
+    from rlcli.plugins import registry_with
+    from rlcli.runner.colocate import ColocateRunner
+
+    class LengthMod7(Judger):
+        """Benchmark reward: response length mod 7 (as the TRL baseline)."""
+
+        name = "bench_len_mod7"
+
+        def judge(self, response, label, sample):
+            return float(len(response) % 7)
+
+    class Plugin:
+        @hookimpl
+        def register_judgers(self):
+            return [LengthMod7]
+
+    registry = registry_with(Plugin())
+    if engine not in registry.names("inference_backend"):  # the plugin is not pip-installed: register it here
+        registry = registry_with(Plugin(), importlib.import_module(PLUGIN_MODULES[engine]))
+    model_dir = gs.make_model_dir((root / "model").resolve()) if not (root / "model" / "config.json").exists() \
+        else root / "model"
+    data = gs.write_prompts(root / "prompts.jsonl", gs.PROMPTS * (GRPO_STEPS + 2))
+    raw = {
+        "model": {"path": str(model_dir), "dtype": "bfloat16" if gs.DEVICE == "cuda" else "float32"},
+        "trainer": {"total_train_steps": GRPO_STEPS, "train_batch_size": gs.PROMPTS, "enable_evaluate": False,
+                    "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(root / f"work-{engine}"),
+                    "log_every": 1},
+        "resources": {"device": gs.DEVICE},
+        "rollout": run_rollout_config(engine, gs.PROMPTS * K),
+        "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
+                         "max_grad_norm": 1.0},
+        "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": K},
+                   "agent_loop": {"name": "single_turn", "sample_params": {
+                       "max_tokens": gs.NEW, "min_tokens": gs.NEW, "ignore_eos": True, "temperature": 1.0}},
+                   "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
+    }
+    rec = validate_recipe(raw, registry=registry)
+    t0 = time.perf_counter()
+    runner = ColocateRunner(rec, quiet=True, overwrite=True)
+    startup = time.perf_counter() - t0
+    result(what="startup", engine=engine, seconds=round(startup, 1))
+    rows: list[dict] = []
+    try:
+        prompts = workload()
+        try:
+            plain = through_rlcli(runner.backend, prompts, seeded=False)
+            seeded = through_rlcli(runner.backend, prompts, seeded=engine != "embedded")
+            bare_rate = bare(engine, runner.backend, prompts)
+            result(what="throughput", engine=engine, sequences=len(prompts) * K, new_tokens=gs.NEW,
+                   rlcli_tok_s=round(plain), rlcli_seeded_tok_s=round(seeded), bare_tok_s=round(bare_rate),
+                   ratio=round(plain / bare_rate, 3))
+        except Exception:
+            result(what="throughput", engine=engine, error=traceback.format_exc()[-2000:])
+        if hasattr(runner.backend, "_use_seeds"):
+            runner.backend._use_seeds = bool(getattr(runner.backend.config, "use_request_seeds", True))
+        runner.backend.stats()  # reset the counters: the GRPO rows count their own tokens
+        orig_log = runner.log
+
+        def log(step, metrics, groups=None):
+            out = orig_log(step, metrics, groups)
+            rows.append(out)
+            return out
+
+        runner.log = log
+        runner.fit()
+    finally:
+        runner.close()
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    steps = [r["timing/step_s"] for r in rows]
+    losses = [r.get("train/loss", r.get("loss/policy", float("nan"))) for r in rows]
+    result(what="grpo", engine=engine, steps=len(rows), step_s=[round(s, 2) for s in steps],
+           step_s_median_after_first=round(statistics.median(steps[1:]), 2) if len(steps) > 1 else None,
+           rollout_s=[round(r["timing/rollout_s"], 2) for r in rows],
+           train_s=[round(r["timing/train_s"], 2) for r in rows],
+           sync_s=[round(r["timing/sync_s"], 3) for r in rows],
+           reward_mean=[round(r.get("reward/mean", float("nan")), 3) for r in rows],
+           rollout_logprob_diff=[r.get("train/rollout_logprob_diff") for r in rows],
+           finite=all(math.isfinite(x) for x in losses if isinstance(x, float)) and len(rows) == GRPO_STEPS)
+
+
+# ------------------------------------------------------------------------------------------
+# Section "conformance"
+# ------------------------------------------------------------------------------------------
+def exact_range_logprobs(engine: str, make_backend, model_dir) -> None:
+    """Logprobs against the forward pass where the engine's logprob mode is exact."""
+    from rlcli.backends.base import GenerateRequest
+    from rlcli.testing import backend_conformance as bc
+    from rlcli.types import SampleParams
+
+    settings = {"vllm": [dict(temperature=t) for t in (1.0, 0.7, 0.0)],
+                "lmdeploy": [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9), dict(temperature=0.0)]}
+    settings = settings.get(engine, [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
+    atol = 0.15 if engine == "lmdeploy" else 2e-3
+    be = make_backend(model_dir)
+    try:
+        prompts = bc._random_prompts(model_dir, 4, random.Random(3), be.ctx.eos_token_ids)
+        jobs = [(p, s) for p in prompts for s in settings]
+
+        async def main():
+            return await asyncio.gather(*(be.generate(GenerateRequest(p, SampleParams(max_tokens=12, ignore_eos=True,
+                                                                                        **s), seed=i))
+                                          for i, (p, s) in enumerate(jobs)))
+
+        outs = asyncio.run(main())
+    finally:
+        be.shutdown()
+    for (p, s), out in zip(jobs, outs):
+        ref = bc.reference_logprobs(model_dir, p, out.token_ids, s["temperature"])
+        want = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        err = (torch.tensor(out.logprobs) - want).abs().max().item()
+        assert err <= atol, f"{s}: logprobs differ from the forward pass by {err:.3g} (atol {atol})"
+
+
+class NotRun(Exception):
+    """A plugin check that cannot run here (the reason is the message)."""
+
+
+def sleep_releases_memory(make_backend, model_dir) -> str:
+    """Free device memory after sleep(1)/sleep(2) and identical greedy outputs after wake_up."""
+    from rlcli.backends.base import GenerateRequest
+    from rlcli.testing import backend_conformance as bc
+    from rlcli.types import SampleParams
+
+    if not torch.cuda.is_available():
+        raise NotRun("no CUDA device: device memory cannot be measured")
+    torch.cuda.synchronize()
+    free0 = torch.cuda.mem_get_info()[0]
+    be = make_backend(model_dir)
+    try:
+        held = free0 - torch.cuda.mem_get_info()[0]
+        prompts = bc._random_prompts(model_dir, 3, random.Random(4), be.ctx.eos_token_ids)
+
+        def outputs():
+            async def main():
+                return await asyncio.gather(*(be.generate(GenerateRequest(p, SampleParams(max_tokens=10, temperature=0.0)))
+                                              for p in prompts))
+            return [o.token_ids for o in asyncio.run(main())]
+
+        ref = outputs()
+        notes = []
+        for level in (1, 2):
+            awake = torch.cuda.mem_get_info()[0]
+            be.sleep(level)
+            released = torch.cuda.mem_get_info()[0] - awake
+            be.wake_up()
+            assert outputs() == ref, f"outputs changed after sleep({level})/wake_up()"
+            assert released > 0, f"sleep({level}) released no device memory"
+            notes.append(f"sleep({level}) freed {released / 2**20:.0f} of {held / 2**20:.0f} MiB")
+        return "; ".join(notes)
+    finally:
+        be.shutdown()
+
+
+def section_conformance(engine: str, root: Path) -> None:
+    from rlcli.testing import backend_conformance as bc
+
+    device = "cuda" if gs.DEVICE == "cuda" else "cpu"
+    spec = {} if gs.DEVICE != "cuda" else dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                               intermediate_size=512)
+    a, b = bc.make_tiny_model_dirs(root / "kit", arch="qwen2", **spec)
+    make_backend, options, dtype = conformance_setup(engine, device)
+    by_design = BY_DESIGN.get(engine, {})
+    for name, check in bc.ALL_CHECKS.items():
+        if time_left() < 30:
+            result(what="check", engine=engine, check=name, status="not run", detail="time budget of the device call")
+            continue
+        t = time.perf_counter()
+        try:
+            args = (make_backend, a, b) if name == "weight_update" else (make_backend, a)
+            check(*args, **options.get(name, {}))
+            status, detail = "pass", ""
+        except Exception as exc:  # AssertionError or an engine failure: recorded, the rest runs
+            status, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        result(what="check", engine=engine, check=name, status=status, detail=detail,
+               by_design=by_design.get(name, ""), seconds=round(time.perf_counter() - t, 1), dtype=str(dtype))
+    extras = [("logprobs_in_exact_range", lambda: exact_range_logprobs(engine, make_backend, a))]
+    extras.append(("sleep_releases_device_memory", lambda: sleep_releases_memory(make_backend, a)))
+    for name, fn in extras:
+        if engine == "embedded" and name == "logprobs_in_exact_range":
+            continue
+        if time_left() < 30:
+            result(what="check", engine=engine, check=name, status="not run", detail="time budget of the device call")
+            continue
+        try:
+            note = fn()
+            result(what="check", engine=engine, check=name, status="pass", detail=note or "")
+        except NotRun as exc:
+            result(what="check", engine=engine, check=name, status="not run", detail=str(exc))
+        except Exception as exc:
+            result(what="check", engine=engine, check=name, status="FAIL",
+                   detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+
+
+# ------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------
+def markdown(engine: str, env: dict) -> str:
+    by = {}
+    for r in RESULTS:
+        by.setdefault(r["what"], []).append(r)
+    checks = by.get("check", [])
+    passed = sum(r["status"] == "pass" for r in checks)
+    failed = [r["check"] for r in checks if r["status"] == "FAIL"]
+    not_run = [r["check"] for r in checks if r["status"] == "not run"]
+    conf = f"{passed}/{len(checks)} pass" if checks else "not run"
+    if failed:
+        conf += f"; FAIL: {', '.join(failed)}"
+    if not_run:
+        conf += f"; not run: {', '.join(not_run)}"
+    grpo = (by.get("grpo") or [{}])[-1]
+    if "steps" in grpo:
+        grpo_cell = (f"{grpo['steps']}/{GRPO_STEPS} steps, {'finite' if grpo.get('finite') else 'NOT finite'}, "
+                     f"step s {grpo['step_s']}, rollout-vs-train logprob diff "
+                     f"{[f'{x:.2g}' for x in grpo.get('rollout_logprob_diff') or [] if x is not None]}")
+    else:
+        grpo_cell = "not run" if "grpo" not in by else f"error: {str(grpo.get('error', ''))[:120]}"
+    thr = (by.get("throughput") or [{}])[-1]
+    if "rlcli_tok_s" in thr:
+        tput = (f"{thr['rlcli_tok_s']:,} | {thr['rlcli_seeded_tok_s']:,} | {thr['bare_tok_s']:,} | "
+                f"{thr['ratio']:.2f}")
+    else:
+        tput = "not run | - | - | -" if "throughput" not in by else "error | - | - | -"
+    lines = [
+        f"<!-- benchmarks/backends.py --engine {engine}: {env['date']}, {env['device']}, torch {env['torch']}, "
+        f"rlcli {env['commit']} -->",
+        "| engine | date | device | conformance | 3-step GRPO | tok/s via rlcli | via rlcli, seeded | bare engine | "
+        "rlcli / bare |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        f"| {env['engine_version']} | {env['date']} | {env['device']} | {conf} | {grpo_cell} | {tput} |",
+        "",
+        "| check | result | detail | by design |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in checks:
+        lines.append(f"| {r['check']} | {r['status']} | {r.get('detail', '').replace('|', '/')} | "
+                     f"{r.get('by_design', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    global DEADLINE_S
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=ENGINES, required=True)
+    ap.add_argument("--sections", default="run,conformance", help="comma-separated: run, conformance")
+    ap.add_argument("--out", type=Path, help="write results-<engine>.json and backends-<engine>.md here")
+    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new work after this many seconds")
+    args = ap.parse_args()
+    DEADLINE_S = args.deadline_s
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = set(sections) - {"run", "conformance"}
+    if unknown:
+        ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+    if args.tiny:
+        gs.SHAPE.update(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128)
+        gs.DEVICE, gs.PROMPTS, gs.NEW, gs.PROMPT_LEN = "cpu", 4, 8, 8
+    elif not torch.cuda.is_available():
+        ap.error("no CUDA device: use --tiny on a CPU machine")
+    gs.DTYPE = torch.bfloat16 if gs.DEVICE == "cuda" else torch.float32
+    if args.engine != "embedded":
+        problem = importlib.import_module(PLUGIN_MODULES[args.engine]).ENGINE.problem()
+        if problem is not None:
+            result(what="engine", engine=args.engine, error=problem)
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        commit = "unknown"
+    env = {"date": time.strftime("%Y-%m-%d"), "engine": args.engine, "engine_version": engine_version(args.engine),
+           "device": torch.cuda.get_device_name(0) if gs.DEVICE == "cuda" else "CPU (smoke test)",
+           "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
+           "sections": sections}
+    result(what="env", **env)
+    root = Path(tempfile.mkdtemp(prefix=f"backends-{args.engine}-"))
+    for name, fn in (("run", section_run), ("conformance", section_conformance)):
+        if name not in sections:
+            continue
+        if time_left() < 60:
+            result(what=name, engine=args.engine, error="not run: time budget of the device call")
+            continue
+        t = time.perf_counter()
+        try:
+            fn(args.engine, root)
+        except Exception:
+            result(what="grpo" if name == "run" else name, engine=args.engine, error=traceback.format_exc()[-3000:])
+        print(f"[{name}] done in {time.perf_counter() - t:.1f}s", flush=True)
+    table = markdown(args.engine, env)
+    print(table, flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"results-{args.engine}.json").write_text(json.dumps({"env": env, "results": RESULTS}, indent=2,
+                                                                         default=str))
+        (args.out / f"backends-{args.engine}.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""``LMDeployBackend``: LMDeploy's PyTorch engine, in process, behind rlcli's inference-backend contract."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+
+from rlcli.backends.base import BackendContext
+from rlcli.component import ComponentConfig
+from rlcli.types import SampleParams
+from rlcli_lmdeploy._runtime import EngineBackend, Job
+from rlcli_lmdeploy.logic import (
+    ENGINE,
+    check_engine_kwargs,
+    engine_config_kwargs,
+    finish_from_status,
+    generation_kwargs,
+    logprob_caveat,
+    request_problem,
+    token_logprobs,
+)
+
+log = logging.getLogger(__name__)
+
+_DOC = """
+LMDeploy's PyTorch ``Engine`` runs in the rlcli process (the "uni" executor) with its asyncio loop
+on the plugin's engine thread; requests go in as token ids through ``EngineInstance
+.async_stream_infer`` (no tokenizer involved) from a pool of ``max_batch_size`` instances.
+
+* **Logprobs**: ``logprobs_mode="raw_logprobs"``: ``log_softmax`` of the raw logits - the contract's
+  value at temperature 1 and for greedy requests, temperature-1 logprobs otherwise (LMDeploy has no
+  temperature-scaled mode; a warning is logged once).
+* **Pause**: ``async_cancel(session_id)`` per in-flight request; LMDeploy answers ``CANCEL`` with
+  the tokens generated so far, whose logprobs arrived with them.
+* **Weights**: loaded in place into the engine's model (``model.load_weights`` with LMDeploy's own
+  name mapping, then its post-load processing), since the "uni" executor has no
+  ``update_params``. While asleep the weights are woken first (``wakeup(["weights"])``).
+* **Sleep**: both levels call LMDeploy's ``sleep(1)``: the KV cache is freed and the weights move to
+  CPU memory, so ``wake_up`` restores them exactly (LMDeploy's level 2 would drop them).
+* **Limits**: one GPU and one rank per run; prefix caching off (LMDeploy cannot invalidate cached
+  prefixes when the weights change); temperature at most 2.
+"""
+
+
+class LMDeployBackend(EngineBackend):
+    name: ClassVar[str] = "lmdeploy"
+    engine = ENGINE
+
+    class Config(ComponentConfig):
+        cache_max_entry_count: float = Field(
+            0.5,
+            gt=0.0,
+            lt=1.0,
+            description="Share of the free GPU memory (after the weights) LMDeploy's KV cache takes "
+            "(LMDeploy's cache_max_entry_count). Leave room for the colocated trainer.",
+        )
+        max_model_len: int | None = Field(
+            None,
+            gt=1,
+            description="Prompt + response tokens per sequence (LMDeploy's session_len). Default: the model's. "
+            "Longer prompts fail with finish_reason 'error'.",
+        )
+        max_batch_size: int | None = Field(
+            None, gt=0, description="Sequences decoded together (LMDeploy's max_batch_size). Default: LMDeploy's."
+        )
+        eager_mode: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
+        use_request_seeds: bool = Field(
+            True, description="Pass each request's seed as LMDeploy's random_seed (reproducible samples per request)."
+        )
+        engine_kwargs: dict[str, Any] = Field(
+            default_factory=dict,
+            description="More lmdeploy.PytorchEngineConfig fields, passed through as they are (e.g. block_size, "
+            "max_prefill_token_num). Keys the plugin sets itself are refused.",
+        )
+
+    @classmethod
+    def check_config(cls, cfg: "LMDeployBackend.Config") -> list[tuple[str, str]]:
+        """``rlcli validate``: the engine must be importable; options must be supported."""
+        issues = []
+        problem = ENGINE.problem()
+        if problem is not None:
+            issues.append(("name", problem))
+        issues += check_engine_kwargs(cfg.engine_kwargs)
+        return issues
+
+    def __init__(self, config: "LMDeployBackend.Config | None", ctx: BackendContext):
+        if ctx.world_size > 1:
+            raise ValueError("rlcli-lmdeploy 0.1 supports single-rank runs only; use rollout.name=embedded or sglang")
+        self._lmd: Any = None
+        self._api: SimpleNamespace | None = None
+        self._pool: asyncio.Queue | None = None
+        self._sessions = itertools.count(1)
+        self._asleep_tags: set[str] = set()
+        super().__init__(config, ctx)
+
+    @classmethod
+    def _check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
+        if getattr(getattr(recipe, "model", None), "dtype", "auto") == "float32":
+            return [("model.dtype", "LMDeploy's PyTorch engine serves bfloat16 or float16 models, not float32 "
+                                    "(set model.dtype to bfloat16, or auto on a GPU)")]
+        return []
+
+    def _resolve_max_model_len(self) -> int | None:
+        return self.config.max_model_len or self.model_info.max_position_embeddings
+
+    def _request_problem(self, params: SampleParams) -> str | None:
+        return request_problem(params)
+
+    def _logprob_caveat(self, params: SampleParams) -> str | None:
+        return logprob_caveat(params)
+
+    # -------------------------------------------------------------------------- engine
+    @staticmethod
+    def _load_api() -> SimpleNamespace:
+        """The LMDeploy classes the plugin uses (imported only when an engine is built)."""
+        from lmdeploy import GenerationConfig, PytorchEngineConfig
+        from lmdeploy.pytorch.engine import Engine
+
+        return SimpleNamespace(
+            Engine=Engine, GenerationConfig=GenerationConfig, PytorchEngineConfig=PytorchEngineConfig
+        )
+
+    # -------------------------------------------------------------------------- engine hooks
+    async def _engine_start(self) -> None:
+        self._api = api = self._load_api()
+        device = torch.device(self.ctx.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
+        try:
+            engine_config = api.PytorchEngineConfig(**engine_config_kwargs(self.config, dtype=self.ctx.dtype))
+        except Exception as exc:  # unknown or invalid engine_kwargs
+            raise ValueError(f"rollout.engine_kwargs: {exc}") from exc
+        self._lmd = api.Engine.from_pretrained(str(self.ctx.model_dir), engine_config=engine_config)
+        if not hasattr(getattr(self._lmd, "executor", None), "model_agent"):
+            raise RuntimeError("LMDeploy did not build the in-process ('uni') executor the plugin needs")
+        self._lmd.start_loop()
+        size = int(getattr(self._lmd.engine_config, "max_batch_size", None) or 256)
+        self._pool = asyncio.Queue()
+        for _ in range(size):
+            self._pool.put_nowait(self._lmd.create_instance())
+        self.max_model_len = int(self._lmd.max_session_len)
+
+    async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
+        gen_config = self._api.GenerationConfig(
+            **generation_kwargs(job.params, stop_ids=job.stop_ids, budget=job.budget, seed=job.seed)
+        )
+        inst = await self._pool.get()
+        try:
+            if job.aborted:
+                return "abort", None
+            session_id = next(self._sessions)
+            job.handle = (inst, session_id)
+            stream = inst.async_stream_infer(session_id, list(job.prompt), gen_config=gen_config)
+            recancelled = False
+            try:
+                async for out in stream:
+                    status = out.status.name
+                    ids = list(out.token_ids or [])
+                    if ids:
+                        try:
+                            job.add(ids, token_logprobs(ids, out.logprobs))
+                        except ValueError:
+                            if status != "CANCEL":
+                                raise
+                            # a cancelled request's last tokens may come without their logprobs
+                    finish, error = finish_from_status(status, job.token_ids, job.stop_ids)
+                    if finish is not None:
+                        return finish, error
+                    if job.aborted and not recancelled:
+                        # the cancel may have reached LMDeploy before this session existed
+                        recancelled = True
+                        await inst.async_cancel(session_id)
+                return "error", "LMDeploy ended the stream without a final status"
+            finally:
+                await stream.aclose()
+        finally:
+            job.handle = None
+            self._pool.put_nowait(inst)
+
+    async def _engine_abort(self, jobs: list[Job]) -> None:
+        handles = [j.handle for j in jobs if j.handle is not None]
+        if handles:
+            await asyncio.gather(*(inst.async_cancel(sid) for inst, sid in handles), return_exceptions=True)
+
+    async def _engine_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if "weights" in self._asleep_tags:
+            self._lmd.wakeup(["weights"])
+            self._asleep_tags.discard("weights")
+        agent = self._lmd.executor.model_agent
+        device = torch.device(self.ctx.device)
+        tensors = [(name, t.detach().to(device=device, dtype=self.ctx.dtype)) for name, t in named_tensors]
+        with agent.all_context():
+            agent._load_updated_weight_bucket(tensors, "rlcli update_weights")
+            agent._finalize_updated_weights()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    async def _engine_sleep(self, level: int) -> None:
+        # LMDeploy level 1 frees the KV cache and moves the weights to CPU memory; its level 2 would
+        # drop the weights, which the contract must restore on wake_up: both levels map to 1.
+        await self._lmd.sleep(1)
+        self._asleep_tags = {"weights", "kv_cache"}
+
+    async def _engine_wake_up(self) -> None:
+        if self._asleep_tags:
+            tags = None if self._asleep_tags == {"weights", "kv_cache"} else sorted(self._asleep_tags)
+            self._lmd.wakeup(tags)
+            self._asleep_tags = set()
+
+    async def _engine_shutdown(self) -> None:
+        engine, self._lmd = self._lmd, None
+        if engine is None:
+            return
+        main = getattr(engine, "_loop_main", None)
+        engine.close()
+        if main is not None:
+            await asyncio.wait([main], timeout=60)
+        self._pool = None
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+LMDeployBackend.__doc__ = f"LMDeploy PyTorch engine, in process ({ENGINE.describe()}).\n" + _DOC

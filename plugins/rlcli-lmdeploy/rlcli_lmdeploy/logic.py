@@ -1,0 +1,164 @@
+"""The LMDeploy-specific logic of the plugin as pure functions (unit-tested without LMDeploy).
+
+Matched against the LMDeploy 0.18.0 sources (wheel ``lmdeploy-0.18.0-cp312-cp312-manylinux_2_28_x86_64``):
+
+* ``lmdeploy/messages.py`` ``GenerationConfig``: ``top_k`` defaults to 50 and ``temperature`` to
+  0.8 (the plugin always sets both); ``temperature`` must lie in [0, 2]; ``logprobs`` must be at
+  least 1 for any logprob to come back (``pytorch/engine/engine_loop.py`` only fills them when
+  ``num_logprobs > 0``). ``EngineOutput(status, token_ids, logprobs, ...)`` with ``logprobs`` a
+  ``list[dict[int, float]]`` (sampled token first, then the top-``logprobs`` ids).
+* ``lmdeploy/pytorch/messages.py`` ``SamplingParam.from_gen_config``: ``temperature == 0`` becomes
+  top_k 1 at temperature 1; ``top_k <= 0`` disables top-k; with ``ignore_eos`` the stop ids become
+  *banned* ids (``bad_words``), so the plugin never sets ``ignore_eos`` and passes exactly the stop
+  ids that should stop; ``min_new_tokens`` masks the stop ids until reached.
+* ``lmdeploy/pytorch/engine/engine_instance.py`` ``EngineInstance.async_stream_infer``: yields
+  ``SUCCESS`` deltas (new token ids + their logprobs), then ``FINISH`` or ``CANCEL``
+  (``async_cancel(session_id)``) with the remaining tokens; any other ``ResponseType`` is an error.
+  The stop token is part of ``token_ids`` (``AsyncEngine`` strips it; the plugin does not).
+* ``lmdeploy/pytorch/engine/logits_process.py`` ``FusedLogitsProcessor``: ``logprobs_mode``
+  "raw_logprobs" is ``log_softmax`` of the raw logits before temperature, penalties, min-tokens
+  masking and top-k/top-p; the only other mode is "raw_logits". So logprobs are the contract's
+  value at temperature 1 (and greedy) and temperature-1 logprobs otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlcli.types import SampleParams
+from rlcli_lmdeploy._runtime import EnginePackage
+
+ENGINE = EnginePackage(
+    label="LMDeploy",
+    distribution="lmdeploy",
+    module="lmdeploy",
+    tested="0.18.0",
+    minimum="0.18.0",
+    plugin="rlcli-lmdeploy",
+)
+
+# PytorchEngineConfig fields the plugin sets itself; `engine_kwargs` may not override them.
+MANAGED_ENGINE_KWARGS: dict[str, str] = {
+    "dtype": "the run's dtype (model.dtype)",
+    "tp": "one GPU per engine (the plugin loads weights in process)",
+    "device_type": "cuda",
+    "logprobs_mode": "always 'raw_logprobs'",
+    "enable_prefix_caching": "off: LMDeploy cannot invalidate cached prefixes on a weight update",
+    "enable_mp_engine": "off: the engine runs in process",
+    "distributed_executor_backend": "'uni': the engine runs in process",
+    "empty_init": "off: the engine loads the model directory",
+    "cache_max_entry_count": "use the cache_max_entry_count option",
+    "session_len": "use the max_model_len option",
+    "max_batch_size": "use the max_batch_size option",
+    "eager_mode": "use the eager_mode option",
+}
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+MAX_TEMPERATURE = 2.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"LMDeploy's PyTorch engine serves bfloat16 or float16 models, not {dtype}") from None
+
+
+def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype) -> dict[str, Any]:
+    """``lmdeploy.PytorchEngineConfig`` keyword arguments for the plugin's config and a run."""
+    kw: dict[str, Any] = dict(
+        dtype=dtype_name(dtype),
+        tp=1,
+        device_type="cuda",
+        logprobs_mode="raw_logprobs",
+        enable_prefix_caching=False,
+        enable_mp_engine=False,
+        distributed_executor_backend="uni",
+        cache_max_entry_count=cfg.cache_max_entry_count,
+        eager_mode=cfg.eager_mode,
+    )
+    if cfg.max_model_len is not None:
+        kw["session_len"] = cfg.max_model_len
+    if cfg.max_batch_size is not None:
+        kw["max_batch_size"] = cfg.max_batch_size
+    kw.update(cfg.engine_kwargs)
+    return kw
+
+
+def check_engine_kwargs(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("engine_kwargs", f"{key!r} is set by the plugin ({MANAGED_ENGINE_KWARGS[key]})")
+        for key in extra
+        if key in MANAGED_ENGINE_KWARGS
+    ]
+
+
+def generation_kwargs(
+    params: SampleParams, *, stop_ids: Sequence[int], budget: int, seed: int | None
+) -> dict[str, Any]:
+    """``lmdeploy.GenerationConfig`` keyword arguments for one request."""
+    greedy = params.temperature == 0.0
+    kw: dict[str, Any] = dict(
+        n=1,
+        max_new_tokens=int(budget),
+        min_new_tokens=min(int(params.min_tokens), int(budget)),
+        do_sample=not greedy,
+        temperature=1.0 if greedy else float(params.temperature),
+        top_k=1 if greedy else int(params.top_k),
+        top_p=1.0 if greedy else float(params.top_p),
+        min_p=0.0,
+        repetition_penalty=1.0,
+        ignore_eos=False,
+        stop_token_ids=[int(t) for t in stop_ids] or None,
+        logprobs=1,
+        skip_special_tokens=False,
+    )
+    if seed is not None:
+        kw["random_seed"] = int(seed)
+    return kw
+
+
+def request_problem(params: SampleParams) -> str | None:
+    if params.temperature > MAX_TEMPERATURE:
+        return f"LMDeploy accepts temperatures up to {MAX_TEMPERATURE}, got {params.temperature}"
+    return None
+
+
+def token_logprobs(token_ids: Sequence[int], logprobs: Sequence[Mapping[int, float]] | None) -> list[float]:
+    """The sampled tokens' logprobs from an ``EngineOutput.logprobs`` delta."""
+    n = len(token_ids)
+    if n == 0:
+        return []
+    if logprobs is None:
+        raise ValueError("LMDeploy returned no logprobs (the engine needs logprobs_mode and GenerationConfig.logprobs)")
+    if len(logprobs) != n:
+        raise ValueError(f"LMDeploy returned logprobs for {len(logprobs)} positions, {n} tokens")
+    out = []
+    for i, (tok, pos) in enumerate(zip(token_ids, logprobs)):
+        if tok not in pos:
+            raise ValueError(f"LMDeploy logprobs of position {i} lack the sampled token {tok}")
+        out.append(float(pos[tok]))
+    return out
+
+
+def finish_from_status(status: str, token_ids: Sequence[int], stop_ids: Sequence[int]) -> tuple[str | None, str | None]:
+    """``(finish, error)`` for an ``EngineOutput`` status name (``ResponseType.name``); ``(None, None)``
+    while the request runs. ``token_ids`` are all tokens generated so far."""
+    if status == "SUCCESS":
+        return None, None
+    if status == "FINISH":
+        return ("stop" if token_ids and token_ids[-1] in set(stop_ids) else "length"), None
+    if status == "CANCEL":
+        return "abort", None
+    return "error", f"LMDeploy ended the request with {status}"
+
+
+def logprob_caveat(params: SampleParams) -> str | None:
+    if params.temperature not in (0.0, 1.0):
+        return (
+            "LMDeploy returns temperature-1 logprobs (logprobs_mode 'raw_logprobs'); the trainer's recomputed "
+            f"logprobs at temperature {params.temperature} will differ"
+        )
+    return None

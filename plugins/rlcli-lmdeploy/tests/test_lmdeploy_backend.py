@@ -1,0 +1,136 @@
+"""The LMDeploy backend's own code paths over a CPU stand-in for LMDeploy's engine
+(fake_lmdeploy.py): instance pool, stream parsing, cancel with partial tokens, weight loading
+(also while asleep), sleep tags, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from fake_lmdeploy import FakeLMDeployBackend, context, next_token, token_logprob
+from transformers import AutoModelForCausalLM
+
+from rlcli.backends.base import GenerateRequest
+from rlcli.types import SampleParams
+
+
+@pytest.fixture
+def backend(tiny_qwen2):
+    be = FakeLMDeployBackend(FakeLMDeployBackend.Config(), context(tiny_qwen2, eos=2, version=2))
+    yield be
+    be.shutdown()
+
+
+def gen(be, prompt, seed=None, **params):
+    return be.generate(GenerateRequest(list(prompt), SampleParams(**params), seed=seed))
+
+
+def expected(be, prompt, n, shift=0):
+    out, ctx = [], list(prompt)
+    for _ in range(n):
+        t = next_token(ctx, shift, be.model_info.vocab_size)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+def test_generate_streams_deltas_with_their_logprobs(backend):
+    out = asyncio.run(gen(backend, [4, 5], max_tokens=6, ignore_eos=True, seed=11))
+    assert out.token_ids == expected(backend, [4, 5], 6) and out.finish_reason == "length"
+    assert out.logprobs == [token_logprob(t) for t in out.token_ids] and out.versions == [2] * 6
+    session, prompt, gc = backend.fake.requests[-1]
+    assert prompt == [4, 5] and gc.random_seed == 11 and gc.stop_token_ids is None
+    assert backend.fake.ended[-1] == session  # the stream's own cleanup (end session) ran
+    assert threading.get_ident() not in backend.fake.thread_ids
+
+
+def test_stop_token_is_kept_and_finish_is_stop(backend):
+    first = expected(backend, [7], 1)[0]
+    out = asyncio.run(gen(backend, [7], max_tokens=9, stop_token_ids=[first]))
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    assert backend.fake.requests[-1][2].stop_token_ids == [2, first]
+    out = asyncio.run(gen(backend, [7], max_tokens=9, min_tokens=3, stop_token_ids=[first]))
+    assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
+
+
+def test_instance_pool_bounds_concurrency(backend):
+    async def main():
+        return await asyncio.gather(*(gen(backend, [i + 1], max_tokens=3, ignore_eos=True) for i in range(20)))
+
+    outs = asyncio.run(main())
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 3 for o in outs)
+    assert backend._pool.qsize() == 8  # every instance went back
+
+
+@pytest.mark.parametrize("unscored_tail", [False, True])
+def test_pause_cancels_sessions_and_returns_partial_tokens(backend, unscored_tail):
+    backend.fake.cancel_with_unscored_token = unscored_tail
+
+    async def main():
+        task = asyncio.ensure_future(gen(backend, [1, 1], max_tokens=500, ignore_eos=True, temperature=0.0))
+        await asyncio.sleep(0.1)
+        backend.pause()
+        part = await asyncio.wait_for(task, 5)
+        late = await gen(backend, [1, 1], max_tokens=3)
+        backend.resume()
+        return part, late
+
+    part, late = asyncio.run(main())
+    assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 500
+    assert part.token_ids == expected(backend, [1, 1], len(part.token_ids))  # a tail token without logprob is dropped
+    assert len(part.logprobs) == len(part.token_ids)
+    assert late.finish_reason == "abort" and late.token_ids == []
+    assert any(c[0] == "cancel" for c in backend.fake.calls)
+
+
+def _named(model_dir, scale):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return [(n, t * scale) for n, t in model.state_dict().items()]
+
+
+def test_update_weights_loads_in_place_then_finalizes(backend, tiny_qwen2):
+    with pytest.raises(ValueError, match="unknown tensor name"):
+        backend.update_weights([("model.nope", torch.zeros(1))], 4)
+    backend.update_weights(_named(tiny_qwen2, 0.5), 4)
+    assert backend.fake.calls[-2:] == [("load", "rlcli update_weights"), ("finalize",)]
+    assert "lm_head.weight" not in backend.fake.loaded
+    out = asyncio.run(gen(backend, [3], max_tokens=4, ignore_eos=True))
+    assert out.versions == [4] * 4 and out.token_ids == expected(backend, [3], 4, shift=backend.fake.shift)
+
+
+def test_sleep_both_levels_offload_and_updates_while_asleep_wake_weights_first(backend, tiny_qwen2):
+    backend.sleep(2)
+    backend.update_weights(_named(tiny_qwen2, 2.0), 5)
+    backend.wake_up()
+    backend.sleep(1)
+    backend.wake_up()
+    seq = [c for c in backend.fake.calls if c[0] in ("sleep", "wakeup", "load")]
+    assert seq == [("sleep", 1), ("wakeup", ("weights",)), ("load", "rlcli update_weights"),
+                   ("wakeup", ("kv_cache",)), ("sleep", 1), ("wakeup", None)]
+    assert asyncio.run(gen(backend, [3], max_tokens=2, ignore_eos=True)).versions == [5, 5]
+
+
+def test_temperature_above_two_is_an_error_before_the_engine(backend):
+    n = len(backend.fake.requests)
+    out = asyncio.run(gen(backend, [3], max_tokens=2, temperature=2.5))
+    assert out.finish_reason == "error" and "up to 2.0" in out.error and len(backend.fake.requests) == n
+
+
+def test_shutdown_closes_the_engine(tiny_qwen2):
+    be = FakeLMDeployBackend(FakeLMDeployBackend.Config(), context(tiny_qwen2))
+    fake = be.fake
+    be.shutdown()
+    assert fake.calls[-1] == ("close",) and fake._loop_main.done()
+
+
+def test_the_real_backend_refuses_cpu_and_multi_rank(tiny_qwen2):
+    from rlcli_lmdeploy import LMDeployBackend
+
+    with pytest.raises(ValueError, match="runs on CUDA GPUs"):
+        LMDeployBackend(LMDeployBackend.Config(), context(tiny_qwen2))
+    ctx = context(tiny_qwen2)
+    ctx.world_size = 2
+    with pytest.raises(ValueError, match="single-rank"):
+        LMDeployBackend(LMDeployBackend.Config(), ctx)

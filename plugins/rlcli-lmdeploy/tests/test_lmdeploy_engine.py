@@ -1,0 +1,76 @@
+"""The real LMDeploy engine through the plugin (GPU only; skipped with the reason elsewhere).
+
+LMDeploy's PyTorch engine serves bf16/fp16 only, so the conformance kit runs with the bf16
+tolerances, without ``sleep_wake`` (its CUDA part reads ``memory_allocated``; the plugin check
+below reads free device memory) and with the logprob check restricted to temperature 1 and greedy
+(LMDeploy returns temperature-1 logprobs; the kit's own check also samples at 0.7 and 0.8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from rlcli.backends.base import GenerateRequest
+from rlcli.testing import backend_conformance as bc
+from rlcli.types import SampleParams
+from rlcli_lmdeploy import LMDeployBackend
+
+pytestmark = pytest.mark.gpu
+
+TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
+KIT_SKIP = ["sleep_wake", "logprobs_match_forward"]
+KIT_OPTIONS = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
+               "pause_returns_partial_and_continue": {"exact_continuation": False},
+               "many_concurrent": {"batch_invariant": False}}
+
+
+def make_backend(model_dir, **options):
+    ctx = bc.default_context(model_dir, device="cuda", dtype=torch.bfloat16)
+    cfg = dict(cache_max_entry_count=0.25, max_model_len=512, max_batch_size=256)
+    cfg.update(options)
+    return LMDeployBackend(LMDeployBackend.Config(**cfg), ctx)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    return bc.make_tiny_model_dirs(tmp_path_factory.mktemp("lmdeploy-kit"), arch="qwen2", **TINY)
+
+
+def test_conformance_kit(dirs):
+    ran = bc.run_all(make_backend, dirs[0], dirs[1], skip=KIT_SKIP, options=KIT_OPTIONS)
+    assert ran == [n for n in bc.ALL_CHECKS if n not in KIT_SKIP]
+
+
+def test_logprobs_at_temperature_one_and_greedy(dirs):
+    bc.check_logprobs_match_forward(make_backend, dirs[0], temperatures=(1.0, 0.0), atol=0.15)
+
+
+def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    be = make_backend(dirs[0], cache_max_entry_count=0.3)
+    try:
+        held = free_before - torch.cuda.mem_get_info()[0]
+        prompts = bc._random_prompts(dirs[0], 3, random.Random(4), be.ctx.eos_token_ids)
+
+        def outputs():
+            async def main():
+                return await asyncio.gather(*(
+                    be.generate(GenerateRequest(p, SampleParams(max_tokens=10, temperature=0.0))) for p in prompts
+                ))
+            return [o.token_ids for o in asyncio.run(main())]
+
+        ref = outputs()
+        for level in (1, 2):
+            free_awake = torch.cuda.mem_get_info()[0]
+            be.sleep(level)
+            released = torch.cuda.mem_get_info()[0] - free_awake
+            assert released >= 0.5 * held, f"sleep({level}) released {released / 2**20:.0f} of {held / 2**20:.0f} MiB"
+            be.wake_up()
+            assert outputs() == ref
+    finally:
+        be.shutdown()

@@ -1,0 +1,285 @@
+"""``SGLangBackend``: SGLang's offline ``Engine`` behind rlcli's inference-backend contract."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+from pydantic import Field
+
+from rlcli.backends.base import BackendContext
+from rlcli.component import ComponentConfig
+from rlcli_sglang._runtime import EngineBackend, Job
+from rlcli_sglang.logic import (
+    ENGINE,
+    check_engine_kwargs,
+    engine_kwargs,
+    finish_reason,
+    first_stop,
+    parse_output,
+    plan_phases,
+)
+
+log = logging.getLogger(__name__)
+
+_DOC = """
+SGLang's offline ``Engine`` (no HTTP server): its tokenizer manager lives on the plugin's engine
+thread, the scheduler and detokenizer in the subprocesses SGLang starts. Requests go in as token
+ids (``skip_tokenizer_init``) straight to the tokenizer manager's ``generate_request``.
+
+* **Logprobs**: SGLang returns ``log(softmax(logits / T))`` over the whole vocabulary, before
+  top-k/top-p filtering - the contract's value for every sampling setting.
+* **Pause**: ``abort_request(rid)`` per in-flight request; SGLang answers with the tokens and
+  logprobs generated so far (finish "abort").
+* **Weights**: ``update_weights_from_tensor`` (tensors shared with the scheduler through CUDA IPC;
+  SGLang maps Hugging Face names, fuses q/k/v and gate/up, and flushes the radix cache). While
+  asleep, the weights are resumed first.
+* **Idle first**: SGLang's scheduler refuses (and dies on) a memory release while it still holds a
+  finished batch, so sleep and weight updates first wait for a deferred ``flush_cache`` to answer.
+* **Sleep** (``enable_memory_saver``): level 1 releases the KV cache; level 2 releases the KV cache,
+  the weights (backed up in CPU memory: ``enable_weights_cpu_backup``) and the CUDA-graph memory.
+* **min_tokens** is served as two SGLang requests (stop ids at ``-inf`` logit bias for the first
+  ``min_tokens`` tokens, then the rest), because SGLang's ``min_new_tokens`` needs a tokenizer.
+  ``ignore_eos`` together with ``stop_token_ids`` streams the request and the plugin stops it at
+  the first stop id (SGLang's ``ignore_eos`` switches every stop id off).
+* **Seeds**: off by default (``use_request_seeds``): SGLang's flashinfer sampling kernels refuse
+  per-request seeds when top-k/top-p is active.
+"""
+
+
+class SGLangBackend(EngineBackend):
+    name: ClassVar[str] = "sglang"
+    engine = ENGINE
+    idle_timeout_s: ClassVar[float] = 120.0
+
+    class Config(ComponentConfig):
+        mem_fraction_static: float = Field(
+            0.5,
+            gt=0.0,
+            lt=1.0,
+            description="Share of the GPU's memory SGLang reserves for weights and KV cache "
+            "(SGLang's mem_fraction_static). Leave room for the colocated trainer.",
+        )
+        max_model_len: int | None = Field(
+            None,
+            gt=1,
+            description="Prompt + response tokens per sequence (SGLang's context_length). Default: the model's. "
+            "Longer prompts fail with finish_reason 'error'.",
+        )
+        max_batch_size: int | None = Field(
+            None, gt=0, description="Requests decoded together (SGLang's max_running_requests). Default: SGLang's."
+        )
+        tp_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallelism), from the run's device on.")
+        disable_cuda_graph: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
+        use_request_seeds: bool = Field(
+            False,
+            description="Pass each request's seed as SGLang's sampling_seed. Needs engine_kwargs "
+            "{sampling_backend: pytorch} when requests use top-k/top-p (flashinfer refuses seeds there).",
+        )
+        log_level: str = Field("error", description="SGLang's log level.")
+        engine_kwargs: dict[str, Any] = Field(
+            default_factory=dict,
+            description="More SGLang ServerArgs, passed through as they are (e.g. attention_backend, "
+            "disable_radix_cache, sampling_backend). Keys the plugin sets itself are refused.",
+        )
+
+    @classmethod
+    def check_config(cls, cfg: "SGLangBackend.Config") -> list[tuple[str, str]]:
+        """``rlcli validate``: the engine must be importable; options must be supported."""
+        issues = []
+        problem = ENGINE.problem()
+        if problem is not None:
+            issues.append(("name", problem))
+        issues += check_engine_kwargs(cfg.engine_kwargs)
+        return issues
+
+    def __init__(self, config: "SGLangBackend.Config | None", ctx: BackendContext):
+        self._sgl: Any = None
+        self._api: SimpleNamespace | None = None
+        self._tm: Any = None
+        self._released: set[str] = set()
+        super().__init__(config, ctx)
+
+    # -------------------------------------------------------------------------- engine
+    @staticmethod
+    def _load_api() -> SimpleNamespace:
+        """The SGLang classes the plugin uses (imported only when an engine is built)."""
+        from sglang.srt.entrypoints.engine import Engine
+        from sglang.srt.managers.io_struct import (
+            GenerateReqInput,
+            ReleaseMemoryOccupationReqInput,
+            ResumeMemoryOccupationReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        return SimpleNamespace(
+            Engine=Engine,
+            GenerateReqInput=GenerateReqInput,
+            ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
+            ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+            UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
+            serialize=MultiprocessingSerializer.serialize,
+        )
+
+    # -------------------------------------------------------------------------- engine hooks
+    async def _engine_start(self) -> None:
+        self._api = api = self._load_api()
+        device = torch.device(self.ctx.device)
+        if device.index is not None:
+            gpu_id = device.index
+        else:
+            gpu_id = torch.cuda.current_device() if device.type == "cuda" else 0
+        kw = engine_kwargs(
+            self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id
+        )
+        try:
+            # Built on the engine thread inside a coroutine: the tokenizer manager binds to this loop.
+            self._sgl = api.Engine(**kw)
+        except TypeError as exc:
+            raise ValueError(f"rollout.engine_kwargs: {exc}") from exc
+        self._tm = self._sgl.tokenizer_manager
+        self.max_model_len = int(self._tm.context_len)
+
+    async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
+        prompt = list(job.prompt)
+        reason, error = "length", None
+        for k, phase in enumerate(plan_phases(job.params, stop_ids=job.stop_ids, budget=job.budget, seed=job.seed)):
+            if job.aborted:
+                return "abort", None
+            before = len(job.token_ids)
+            reason, error = await self._run_phase(job, prompt + job.token_ids, phase, f"{job.rid}.{k}")
+            if reason != "length" or len(job.token_ids) - before < phase.max_new:
+                return reason, error
+        return reason, error
+
+    async def _run_phase(self, job: Job, prompt: list[int], phase, rid: str) -> tuple[str, str | None]:
+        obj = self._api.GenerateReqInput(
+            input_ids=prompt, sampling_params=dict(phase.sampling), return_logprob=True, stream=phase.stream, rid=rid
+        )
+        job.handle = rid
+        start = len(job.token_ids)
+        gen = self._tm.generate_request(obj, None)
+        try:
+            if not phase.stream:
+                out = await gen.__anext__()
+                ids, lps, ftype, message = parse_output(out)
+                if len(lps) != len(ids):
+                    raise RuntimeError(f"SGLang returned {len(lps)} logprobs for {len(ids)} tokens")
+                job.add(ids, lps)
+                return finish_reason(ftype, message)
+            stopped = False
+            async for out in gen:
+                ids, lps, ftype, message = parse_output(out)
+                if not stopped:
+                    n = len(lps)
+                    new_ids, new_lps = ids[len(job.token_ids) - start : n], lps[len(job.token_ids) - start : n]
+                    cut = first_stop(new_ids, phase.plugin_stops)
+                    if cut is not None:
+                        job.add(new_ids[: cut + 1], new_lps[: cut + 1])
+                        stopped = True
+                        self._tm.abort_request(rid)  # drain until SGLang confirms the end
+                    else:
+                        job.add(new_ids, new_lps)
+                if ftype is not None:
+                    return ("stop", None) if stopped else finish_reason(ftype, message)
+            return ("stop", None) if stopped else ("error", "SGLang ended the stream without a finish reason")
+        except Exception as exc:
+            # SGLang raises ValueError for rejected input and for requests aborted before they were
+            # scheduled, HTTPException for engine-side failures
+            if job.aborted:
+                return "abort", None
+            return "error", f"{type(exc).__name__}: {exc}"
+        finally:
+            await gen.aclose()
+
+    async def _engine_abort(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            if job.handle is not None:
+                self._tm.abort_request(job.handle)
+
+    async def _wait_idle(self) -> None:
+        """Wait until SGLang's scheduler is idle (it refuses to release memory otherwise).
+
+        The last outputs reach this process before the scheduler has dropped their finished batch;
+        a deferred ``flush_cache`` answers only once the scheduler is fully idle (and flushes the
+        radix cache, which a weight update or a KV release needs anyway).
+        """
+        out = await self._tm.flush_cache(timeout_s=self.idle_timeout_s)
+        if not getattr(out, "success", True):
+            raise RuntimeError(f"SGLang's scheduler did not become idle: {getattr(out, 'message', '')}")
+
+    async def _engine_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        api = self._api
+        await self._wait_idle()
+        if "weights" in self._released:
+            await self._tm.resume_memory_occupation(api.ResumeMemoryOccupationReqInput(tags=["weights"]), None)
+            self._released.discard("weights")
+        device = torch.device(self.ctx.device)
+        # CUDA tensors travel to the scheduler process as CUDA IPC handles (no copy through the host)
+        tensors = [(name, t.detach().to(device=device, dtype=self.ctx.dtype)) for name, t in named_tensors]
+        payload = [api.serialize(tensors) for _ in range(self.config.tp_size)]
+        obj = api.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True)
+        success, message = await self._tm.update_weights_from_tensor(obj, None)
+        del tensors, payload  # the scheduler has loaded them (the call returned)
+        if not success:
+            raise RuntimeError(f"SGLang update_weights_from_tensor failed: {message}")
+
+    async def _engine_sleep(self, level: int) -> None:
+        await self._wait_idle()
+        tags = ["kv_cache"] if level == 1 else ["kv_cache", "weights", "cuda_graph"]
+        await self._tm.release_memory_occupation(self._api.ReleaseMemoryOccupationReqInput(tags=tags), None)
+        self._released.update(tags)
+
+    async def _engine_wake_up(self) -> None:
+        if self._released:
+            tags = [t for t in ("cuda_graph", "weights", "kv_cache") if t in self._released]
+            await self._tm.resume_memory_occupation(self._api.ResumeMemoryOccupationReqInput(tags=tags), None)
+            self._released.clear()
+
+    async def _engine_shutdown(self) -> None:
+        engine, self._sgl = self._sgl, None
+        if engine is None:
+            return
+        # Engine.shutdown() kills every child process of this process (rlcli's judge workers too);
+        # end only the processes this engine started, after stopping its crash watchdog (it would
+        # SIGQUIT this process when they exit).
+        watchdog = getattr(self._tm, "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()
+        atexit.unregister(engine.shutdown)
+        try:
+            pids = list(engine.get_all_child_pids())
+        except Exception:
+            log.warning("SGLang engine: child pids unknown; using Engine.shutdown()", exc_info=True)
+            engine.shutdown()
+            return
+        _kill_process_trees(pids)
+        self._tm = None
+
+
+def _kill_process_trees(pids: list[int], timeout: float = 60.0) -> None:
+    """Kill processes and their descendants and wait for them (GPU memory is freed when they exit)."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            parent = psutil.Process(pid)
+        except psutil.NoSuchProcess:
+            continue
+        procs += parent.children(recursive=True) + [parent]
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    if alive:
+        log.warning("SGLang engine processes still alive after %.0f s: %s", timeout, [p.pid for p in alive])
+
+
+SGLangBackend.__doc__ = f"SGLang engine, offline ({ENGINE.describe()}).\n" + _DOC

@@ -1,0 +1,208 @@
+"""The SGLang-specific logic of the plugin as pure functions (unit-tested without SGLang installed).
+
+Matched against the SGLang 0.5.17 sources (wheel ``sglang-0.5.17-cp312-cp312-manylinux_2_34_x86_64``):
+
+* ``sglang/srt/sampling/sampling_params.py`` ``SamplingParams``: ``top_k=-1`` disables top-k
+  (becomes ``TOP_K_ALL``); a temperature below 1e-6 means greedy (SGLang sets temperature 1 and
+  top_k 1); ``logit_bias`` is ``{str(token_id): bias}``; ``sampling_seed`` seeds a request;
+  ``min_new_tokens`` reads ``req.tokenizer`` and fails with ``skip_tokenizer_init`` (the penalizer
+  in ``sampling/penaltylib/min_new_tokens.py``), so the plugin implements ``min_tokens`` itself.
+* ``sglang/srt/managers/schedule_batch.py`` ``Req._check_token_based_finish``: ``ignore_eos=True``
+  disables *every* token stop, ``stop_token_ids`` included; otherwise the request also stops on
+  the model's ``eos_token_id`` (config.json and generation_config.json). The stop token is part
+  of ``output_ids``. Finish reasons ``to_json()``: ``{"type": "stop", "matched": id}``,
+  ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ..., "status_code": ...}``.
+* ``sglang/srt/managers/tokenizer_manager.py`` (``_handle_batch_output`` for ``BatchTokenIDOutput``
+  and ``detokenize_logprob_tokens``): an output is ``{"output_ids": [...], "meta_info": {"id",
+  "finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs": [(logprob,
+  token_id, None), ...], ...}}``; non-incremental stream chunks carry the cumulative lists.
+* ``sglang/srt/layers/sampler.py``: the returned logprob is ``log(softmax(logits / T))`` over the
+  whole vocabulary, computed before top-k/top-p filtering (greedy: ``log_softmax(logits)``) -
+  exactly the contract's value. Logits processors and ``logit_bias`` apply before it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from rlcli.types import SampleParams
+from rlcli_sglang._runtime import EnginePackage
+
+ENGINE = EnginePackage(
+    label="SGLang", distribution="sglang", module="sglang", tested="0.5.17", minimum="0.5.17", plugin="rlcli-sglang"
+)
+
+# ServerArgs the plugin sets itself; `engine_kwargs` may not override them.
+MANAGED_ENGINE_KWARGS: dict[str, str] = {
+    "model_path": "the run's model directory",
+    "tokenizer_path": "token-in/token-out: the engine never loads a tokenizer",
+    "skip_tokenizer_init": "always true (token-in/token-out)",
+    "dtype": "the run's dtype (model.dtype)",
+    "random_seed": "the run's seed (trainer.seed)",
+    "base_gpu_id": "the run's device",
+    "enable_memory_saver": "always true (colocated sleep/wake_up)",
+    "enable_weights_cpu_backup": "always true (weights survive sleep level 2)",
+    "incremental_streaming_output": "always false (the plugin reads cumulative stream chunks)",
+    "mem_fraction_static": "use the mem_fraction_static option",
+    "context_length": "use the max_model_len option",
+    "max_running_requests": "use the max_batch_size option",
+    "tp_size": "use the tp_size option",
+    "disable_cuda_graph": "use the disable_cuda_graph option",
+}
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_NEG_INF = float("-inf")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"SGLang serves bfloat16, float16 or float32 models, not {dtype}") from None
+
+
+def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gpu_id: int) -> dict[str, Any]:
+    """``sglang.Engine`` (``ServerArgs``) keyword arguments for the plugin's config and a run."""
+    kw: dict[str, Any] = dict(
+        model_path=str(model_dir),
+        skip_tokenizer_init=True,
+        dtype=dtype_name(dtype),
+        random_seed=int(seed),
+        base_gpu_id=int(gpu_id),
+        enable_memory_saver=True,
+        enable_weights_cpu_backup=True,
+        incremental_streaming_output=False,
+        mem_fraction_static=cfg.mem_fraction_static,
+        tp_size=cfg.tp_size,
+        disable_cuda_graph=cfg.disable_cuda_graph,
+        log_level=cfg.log_level,
+    )
+    if cfg.max_model_len is not None:
+        kw["context_length"] = cfg.max_model_len
+    if cfg.max_batch_size is not None:
+        kw["max_running_requests"] = cfg.max_batch_size
+    kw.update(cfg.engine_kwargs)
+    return kw
+
+
+def check_engine_kwargs(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
+    return [
+        ("engine_kwargs", f"{key!r} is set by the plugin ({MANAGED_ENGINE_KWARGS[key]})")
+        for key in extra
+        if key in MANAGED_ENGINE_KWARGS
+    ]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One SGLang request serving part of an rlcli request.
+
+    ``plugin_stops`` are stop ids SGLang cannot express together with ignoring EOS: the phase
+    then streams and the plugin ends the response at the first of them itself.
+    """
+
+    sampling: dict[str, Any]
+    max_new: int
+    plugin_stops: frozenset[int] = frozenset()
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.plugin_stops)
+
+
+def _base_sampling(params: SampleParams, seed: int | None) -> dict[str, Any]:
+    greedy = params.temperature == 0.0
+    kw: dict[str, Any] = dict(
+        n=1,
+        temperature=0.0 if greedy else float(params.temperature),
+        top_p=1.0 if greedy else float(params.top_p),
+        top_k=-1 if greedy or params.top_k == 0 else int(params.top_k),
+        min_p=0.0,
+        repetition_penalty=1.0,
+        frequency_penalty=0.0,
+        presence_penalty=0.0,
+        min_new_tokens=0,
+        skip_special_tokens=False,
+    )
+    if seed is not None:
+        kw["sampling_seed"] = int(seed)
+    return kw
+
+
+def plan_phases(params: SampleParams, *, stop_ids: Sequence[int], budget: int, seed: int | None) -> list[Phase]:
+    """The SGLang requests that serve one rlcli request (``stop_ids``: EOS unless ignored + stop ids).
+
+    * Stops: without ``ignore_eos`` SGLang stops on ``stop_token_ids`` (the run's EOS ids and the
+      request's stop ids). With ``ignore_eos`` SGLang would ignore ``stop_token_ids`` as well, so
+      the request's stop ids become plugin-side stops.
+    * ``min_tokens``: a first phase of ``min_tokens`` tokens with every stop id at ``-inf`` logit
+      bias and no stops, then the rest as a second request continuing ``prompt + phase-1 tokens``
+      (SGLang's radix cache reuses the prefix). The ``-inf`` bias also removes the stop ids from the
+      logprob normaliser during phase 1, like a min-tokens mask would.
+    """
+    budget = int(budget)
+    stops = [int(t) for t in stop_ids]
+    plugin_stops = frozenset(int(t) for t in params.stop_token_ids) if params.ignore_eos else frozenset()
+    phases: list[Phase] = []
+    min_new = min(int(params.min_tokens), budget)
+    if min_new > 0 and stops:
+        first = _base_sampling(params, seed)
+        first.update(max_new_tokens=min_new, ignore_eos=True, logit_bias={str(t): _NEG_INF for t in stops})
+        phases.append(Phase(first, min_new))
+        budget -= min_new
+        seed = None if seed is None else (int(seed) + 1) & 0x7FFFFFFFFFFFFFFF
+    if budget > 0:
+        rest = _base_sampling(params, seed)
+        rest["max_new_tokens"] = budget
+        if params.ignore_eos:
+            rest["ignore_eos"] = True
+        else:
+            rest["ignore_eos"] = False
+            rest["stop_token_ids"] = stops
+        phases.append(Phase(rest, budget, plugin_stops))
+    return phases
+
+
+def first_stop(token_ids: Sequence[int], stops: frozenset[int]) -> int | None:
+    """Index of the first token in ``stops``, or None."""
+    for i, t in enumerate(token_ids):
+        if t in stops:
+            return i
+    return None
+
+
+def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | None, str | None]:
+    """``(token_ids, logprobs, finish_type, finish_message)`` of a tokenizer-manager output dict.
+
+    ``finish_type`` is None while a streamed request runs. ``logprobs`` may be shorter than
+    ``token_ids`` in a stream chunk; a logprob entry naming another token raises ``ValueError``.
+    """
+    ids = [int(t) for t in (out.get("output_ids") or [])]
+    meta = out.get("meta_info") or {}
+    entries = meta.get("output_token_logprobs") or []
+    lps = []
+    for i, entry in enumerate(entries[: len(ids)]):
+        value, token = entry[0], entry[1]
+        if token is not None and int(token) != ids[i]:
+            raise ValueError(f"SGLang logprob entry {i} is for token {token}, the output has {ids[i]}")
+        if value is None:
+            raise ValueError(f"SGLang returned no logprob for output position {i}")
+        lps.append(float(value))
+    reason = meta.get("finish_reason")
+    if isinstance(reason, Mapping):
+        ftype, message = reason.get("type"), reason.get("message")
+    elif isinstance(reason, str):
+        ftype, message = reason, None
+    else:
+        ftype, message = None, None
+    return ids, lps, (str(ftype) if ftype is not None else None), (str(message) if message else None)
+
+
+def finish_reason(ftype: str | None, message: str | None) -> tuple[str, str | None]:
+    """The contract's finish reason for an SGLang finish type (before the plugin's abort check)."""
+    if ftype in ("stop", "length", "abort"):
+        return ftype, message
+    return "error", message or f"SGLang finished with {ftype!r}"

@@ -1,0 +1,207 @@
+"""A CPU stand-in for the SGLang 0.5.17 objects the plugin touches, shaped like the real ones.
+
+Shapes copied from the SGLang 0.5.17 wheel: ``TokenizerManager.generate_request(obj, request)``
+(an async generator; non-stream yields one final dict, non-incremental stream yields cumulative
+dicts) with outputs ``{"output_ids": [...], "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "output_token_logprobs": [(logprob, token_id, None), ...]}}`` and finish
+reasons ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`` /
+``{"type": "abort", "message": ...}`` (``srt/managers/schedule_batch.py``); ``abort_request(rid)``;
+``update_weights_from_tensor(obj, None) -> (success, message)``; ``release_memory_occupation`` /
+``resume_memory_occupation(obj, None)``; ``flush_cache()``; ``context_len``. ``ignore_eos`` turns
+every stop id off and ``logit_bias`` applies before sampling, as in SGLang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rlcli_sglang.backend import SGLangBackend
+
+
+@dataclass
+class GenerateReqInput:
+    input_ids: list[int]
+    sampling_params: dict
+    return_logprob: bool = False
+    stream: bool = False
+    rid: str | None = None
+
+
+@dataclass
+class UpdateWeightsFromTensorReqInput:
+    serialized_named_tensors: list
+    load_format: str | None = None
+    flush_cache: bool = True
+
+
+@dataclass
+class ReleaseMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+@dataclass
+class ResumeMemoryOccupationReqInput:
+    tags: list[str] | None = None
+
+
+def next_token(context: list[int], shift: int, vocab: int) -> int:
+    h = shift
+    for t in context[-4:]:
+        h = (h * 1_000_003 + t + 7) % 2_147_483_647
+    return h % vocab
+
+
+def token_logprob(tok: int) -> float:
+    return -0.05 * (1 + tok % 13)
+
+
+class FakeTokenizerManager:
+    def __init__(self, vocab: int, context_len: int, step_s: float):
+        self.vocab, self.context_len, self.step_s = vocab, context_len, step_s
+        self.shift = 0
+        self.aborted: set[str] = set()
+        self.released: set[str] = set()
+        self.calls: list[tuple] = []
+        self.requests: list[GenerateReqInput] = []
+        self.running = 0
+        self.idle_confirmed = False
+        self.thread_ids: set[int] = set()
+        self._subprocess_watchdog = SimpleNamespace(stop=lambda: self.calls.append(("watchdog_stop",)))
+
+    def _sample(self, ctx: list[int], sp: dict) -> int:
+        tok = next_token(ctx, self.shift, self.vocab)
+        banned = {int(k) for k, v in (sp.get("logit_bias") or {}).items() if v == float("-inf")}
+        while tok in banned:
+            tok = (tok + 1) % self.vocab
+        return tok
+
+    async def generate_request(self, obj: GenerateReqInput, request: Any = None):
+        if obj.input_ids and isinstance(obj.input_ids[0], list):  # a batch: one final list of outputs
+            subs = [GenerateReqInput(ids, dict(obj.sampling_params), obj.return_logprob, False, f"batch-{i}")
+                    for i, ids in enumerate(obj.input_ids)]
+            finals = await asyncio.gather(*(self._final(s) for s in subs))
+            yield finals
+            return
+        self.thread_ids.add(threading.get_ident())
+        assert request is None and obj.return_logprob and obj.rid
+        assert "kv_cache" not in self.released, "served a request with the KV cache released"
+        self.requests.append(obj)
+        self.idle_confirmed = False
+        if obj.rid in self.aborted:
+            raise ValueError(f"Abort request {obj.rid}")
+        sp = obj.sampling_params
+        stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or [])
+        ids, lps, finish = [], [], None
+        self.running += 1
+        try:
+            while finish is None:
+                await asyncio.sleep(self.step_s)
+                if obj.rid in self.aborted:
+                    finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None}
+                    break
+                tok = self._sample(list(obj.input_ids) + ids, sp)
+                ids.append(tok)
+                lps.append(token_logprob(tok))
+                if tok in stops:
+                    finish = {"type": "stop", "matched": tok}
+                elif len(ids) >= sp["max_new_tokens"]:
+                    finish = {"type": "length", "length": len(ids)}
+                if obj.stream and finish is None:
+                    yield self._out(obj, ids, lps, None)
+            yield self._out(obj, list(ids), list(lps), finish)
+        finally:
+            self.running -= 1
+
+    async def _final(self, obj):
+        out = None
+        async for out in self.generate_request(obj):
+            pass
+        return out
+
+    @staticmethod
+    def _out(obj, ids, lps, finish):
+        return {"output_ids": ids, "meta_info": {
+            "id": obj.rid, "finish_reason": finish, "prompt_tokens": len(obj.input_ids), "completion_tokens": len(ids),
+            "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, ids)]}}
+
+    def abort_request(self, rid: str = "", abort_all: bool = False):
+        self.calls.append(("abort_request", rid))
+        self.aborted.add(rid)
+
+    async def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput, request: Any = None):
+        self.calls.append(("update_weights_from_tensor", obj.flush_cache))
+        assert "weights" not in self.released, "updated released weights"
+        assert self.running == 0, "weights changed under running requests"
+        (named,) = obj.serialized_named_tensors  # the fake serializer is the identity
+        self.loaded = [name for name, _ in named]
+        self.shift = int(sum(float(t.float().sum()) for _, t in named) * 1000) % 9973
+        return True, "Success"
+
+    async def release_memory_occupation(self, obj, request=None):
+        assert self.running == 0, "released memory under running requests"
+        assert self.idle_confirmed, "released memory before the scheduler was confirmed idle (it would assert)"
+        self.calls.append(("release", tuple(obj.tags)))
+        self.released |= set(obj.tags)
+
+    async def resume_memory_occupation(self, obj, request=None):
+        self.calls.append(("resume", tuple(obj.tags)))
+        self.released -= set(obj.tags)
+
+    async def flush_cache(self, timeout_s=None):
+        # SGLang 0.5.17: with timeout_s > 0 the scheduler defers the flush until it is fully idle
+        self.calls.append(("flush_cache", timeout_s))
+        self.idle_confirmed = bool(timeout_s) and self.running == 0
+        return SimpleNamespace(success=self.idle_confirmed, message="" if self.idle_confirmed else "busy")
+
+
+class FakeEngine:
+    step_s = 0.002
+    vocab = 100
+    context_len = 512
+    last: "FakeEngine | None" = None
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.tokenizer_manager = FakeTokenizerManager(self.vocab, self.context_len, self.step_s)
+        FakeEngine.last = self
+
+    def get_all_child_pids(self) -> list[int]:
+        return []
+
+    def shutdown(self):
+        raise AssertionError("the plugin must not call Engine.shutdown() (it kills every child process)")
+
+
+class FakeSGLangBackend(SGLangBackend):
+    """The plugin's backend over :class:`FakeEngine` (CPU, no SGLang)."""
+
+    requires_cuda = False
+
+    def _load_api(self):
+        FakeEngine.vocab = self.model_info.vocab_size
+        FakeEngine.context_len = int(self.config.max_model_len or self.model_info.max_position_embeddings)
+        return SimpleNamespace(
+            Engine=FakeEngine,
+            GenerateReqInput=GenerateReqInput,
+            ReleaseMemoryOccupationReqInput=ReleaseMemoryOccupationReqInput,
+            ResumeMemoryOccupationReqInput=ResumeMemoryOccupationReqInput,
+            UpdateWeightsFromTensorReqInput=UpdateWeightsFromTensorReqInput,
+            serialize=lambda obj: obj,
+        )
+
+    @property
+    def tm(self) -> FakeTokenizerManager:
+        return self._tm
+
+
+def context(model_dir, eos: int = 2, version: int = 0):
+    from rlcli.backends.base import BackendContext
+
+    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=torch.float32,
+                          eos_token_ids=[eos], seed=0, version=version)

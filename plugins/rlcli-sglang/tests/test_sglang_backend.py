@@ -1,0 +1,159 @@
+"""The SGLang backend's own code paths over a CPU stand-in for SGLang's engine (fake_sglang.py):
+phases, plugin-side stops, pause with partial tokens, weight updates and memory release tags,
+shutdown that spares other child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from fake_sglang import FakeSGLangBackend, context, next_token, token_logprob
+from transformers import AutoModelForCausalLM
+
+from rlcli.backends.base import GenerateRequest
+from rlcli.types import SampleParams
+
+
+@pytest.fixture
+def backend(tiny_qwen2):
+    be = FakeSGLangBackend(FakeSGLangBackend.Config(), context(tiny_qwen2, eos=2, version=1))
+    yield be
+    be.shutdown()
+
+
+def gen(be, prompt, seed=None, **params):
+    return be.generate(GenerateRequest(list(prompt), SampleParams(**params), seed=seed))
+
+
+def expected(be, prompt, n, shift=0):
+    out, ctx = [], list(prompt)
+    for _ in range(n):
+        t = next_token(ctx, shift, be.model_info.vocab_size)
+        out.append(t)
+        ctx.append(t)
+    return out
+
+
+def test_generate_returns_tokens_logprobs_versions_on_the_engine_thread(backend):
+    out = asyncio.run(gen(backend, [5, 6], max_tokens=7, ignore_eos=True))
+    assert out.token_ids == expected(backend, [5, 6], 7) and out.finish_reason == "length"
+    assert out.logprobs == [token_logprob(t) for t in out.token_ids] and out.versions == [1] * 7
+    assert threading.get_ident() not in backend.tm.thread_ids
+    req = backend.tm.requests[-1]
+    assert req.input_ids == [5, 6] and req.stream is False and req.sampling_params["ignore_eos"] is True
+    assert "sampling_seed" not in req.sampling_params  # use_request_seeds is off by default
+
+
+def test_engine_stops_include_eos_and_the_stop_token_is_returned(backend):
+    first = expected(backend, [3, 3], 1)[0]
+    out = asyncio.run(gen(backend, [3, 3], max_tokens=9, stop_token_ids=[first]))
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    assert backend.tm.requests[-1].sampling_params["stop_token_ids"] == [2, first]
+
+
+def test_ignore_eos_with_stop_ids_is_stopped_by_the_plugin(backend):
+    full = expected(backend, [8, 1], 30)
+    j = 5
+    stop = full[j]
+    cut = full.index(stop)
+    out = asyncio.run(gen(backend, [8, 1], max_tokens=30, ignore_eos=True, stop_token_ids=[stop]))
+    assert out.token_ids == full[: cut + 1] and out.finish_reason == "stop"
+    assert out.logprobs == [token_logprob(t) for t in out.token_ids]
+    assert backend.tm.requests[-1].stream and ("abort_request", backend.tm.requests[-1].rid) in backend.tm.calls
+
+
+def test_min_tokens_runs_two_requests_and_never_stops_early(backend):
+    first = expected(backend, [4], 1)[0]
+    out = asyncio.run(gen(backend, [4], max_tokens=10, min_tokens=4, stop_token_ids=[first]))
+    assert len(out.token_ids) >= 4 and first not in out.token_ids[:4] and 2 not in out.token_ids[:4]
+    p1, p2 = backend.tm.requests[-2:]
+    assert p1.sampling_params["max_new_tokens"] == 4 and p1.sampling_params["logit_bias"] == {
+        "2": float("-inf"), str(first): float("-inf")}
+    assert p2.input_ids == [4] + out.token_ids[:4] and p2.sampling_params["max_new_tokens"] == 6
+    assert out.finish_reason in ("stop", "length") and len(out.logprobs) == len(out.token_ids)
+
+
+def test_pause_aborts_by_rid_and_returns_partial_tokens(backend):
+    async def main():
+        task = asyncio.ensure_future(gen(backend, [1, 2], max_tokens=500, ignore_eos=True, temperature=0.0))
+        await asyncio.sleep(0.1)
+        backend.pause()
+        part = await asyncio.wait_for(task, 5)
+        late = await gen(backend, [1, 2], max_tokens=3)
+        backend.resume()
+        return part, late
+
+    part, late = asyncio.run(main())
+    assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 500
+    assert part.token_ids == expected(backend, [1, 2], len(part.token_ids))
+    assert late.finish_reason == "abort" and late.token_ids == []
+    assert asyncio.run(gen(backend, [1, 2], max_tokens=3, ignore_eos=True)).finish_reason == "length"
+
+
+def test_an_abort_sglang_decides_alone_is_an_error(backend):
+    orig = backend.tm.generate_request
+
+    async def rejecting(obj, request=None):
+        yield {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "KV cache pool is full"}}}
+
+    backend.tm.generate_request = rejecting
+    out = asyncio.run(gen(backend, [1], max_tokens=3))
+    assert out.finish_reason == "error" and "KV cache pool is full" in out.error
+    backend.tm.generate_request = orig
+
+
+def _named(model_dir, scale):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return [(n, t * scale) for n, t in model.state_dict().items()]
+
+
+def test_update_weights_awake_flushes_the_cache(backend, tiny_qwen2):
+    with pytest.raises(ValueError, match="unknown tensor name"):
+        backend.update_weights([("nope", torch.zeros(1))], 5)
+    backend.update_weights(_named(tiny_qwen2, 0.5), 5)
+    assert backend.tm.calls[-2:] == [("flush_cache", 120.0), ("update_weights_from_tensor", True)]
+    assert "lm_head.weight" not in backend.tm.loaded and backend.version == 5
+    out = asyncio.run(gen(backend, [9], max_tokens=4, ignore_eos=True))
+    assert out.versions == [5] * 4 and out.token_ids == expected(backend, [9], 4, shift=backend.tm.shift)
+
+
+def test_sleep_levels_release_tags_and_updates_while_asleep_resume_weights_first(backend, tiny_qwen2):
+    backend.sleep(1)
+    backend.wake_up()
+    backend.sleep(2)
+    backend.update_weights(_named(tiny_qwen2, 3.0), 6)
+    backend.wake_up()
+    mem = [c for c in backend.tm.calls if c[0] in ("release", "resume", "update_weights_from_tensor", "flush_cache")]
+    assert mem == [
+        ("flush_cache", 120.0), ("release", ("kv_cache",)), ("resume", ("kv_cache",)),
+        ("flush_cache", 120.0), ("release", ("kv_cache", "weights", "cuda_graph")),
+        ("flush_cache", 120.0), ("resume", ("weights",)), ("update_weights_from_tensor", True),
+        ("resume", ("cuda_graph", "kv_cache")),
+    ]
+    assert asyncio.run(gen(backend, [2], max_tokens=2, ignore_eos=True)).versions == [6, 6]
+
+
+def test_requests_made_while_asleep_wait_for_wake_up(backend):
+    async def main():
+        running = asyncio.ensure_future(gen(backend, [6], max_tokens=400, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        backend.sleep(1)
+        first = await asyncio.wait_for(running, 5)
+        queued = asyncio.ensure_future(gen(backend, [6], max_tokens=3, ignore_eos=True))
+        await asyncio.sleep(0.1)
+        assert not queued.done()
+        backend.wake_up()
+        return first, await asyncio.wait_for(queued, 5)
+
+    first, queued = asyncio.run(main())
+    assert first.finish_reason == "abort" and queued.finish_reason == "length"
+
+
+def test_shutdown_stops_the_watchdog_and_never_calls_engine_shutdown(tiny_qwen2):
+    be = FakeSGLangBackend(FakeSGLangBackend.Config(), context(tiny_qwen2))
+    tm = be.tm
+    be.shutdown()  # FakeEngine.shutdown() raises if called
+    assert ("watchdog_stop",) in tm.calls
+    assert asyncio.run(gen(be, [1], max_tokens=2)).finish_reason == "error"

@@ -1,0 +1,125 @@
+"""The SGLang plugin's pure logic: config -> server args, request phases, output parsing, checks."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from rlcli.types import SampleParams
+from rlcli_sglang import SGLangBackend
+from rlcli_sglang.logic import ENGINE, check_engine_kwargs, engine_kwargs, finish_reason, first_stop, parse_output, plan_phases
+
+INF = float("-inf")
+
+
+def cfg(**kw):
+    return SGLangBackend.Config(**kw)
+
+
+def test_engine_kwargs_defaults_and_managed_values():
+    kw = engine_kwargs(cfg(), model_dir="/m", dtype=torch.bfloat16, seed=3, gpu_id=1)
+    assert kw == dict(
+        model_path="/m", skip_tokenizer_init=True, dtype="bfloat16", random_seed=3, base_gpu_id=1,
+        enable_memory_saver=True, enable_weights_cpu_backup=True, incremental_streaming_output=False,
+        mem_fraction_static=0.5, tp_size=1, disable_cuda_graph=False, log_level="error",
+    )
+
+
+def test_engine_kwargs_maps_rlcli_names_to_sglang_ones():
+    kw = engine_kwargs(cfg(max_model_len=2048, max_batch_size=256, engine_kwargs={"attention_backend": "fa3"}),
+                       model_dir="/m", dtype=torch.float32, seed=0, gpu_id=0)
+    assert kw["context_length"] == 2048 and kw["max_running_requests"] == 256 and kw["attention_backend"] == "fa3"
+    assert kw["dtype"] == "float32"
+
+
+def test_engine_kwargs_conflicts():
+    issues = check_engine_kwargs({"context_length": 4, "skip_tokenizer_init": False, "attention_backend": "fa3"})
+    assert len(issues) == 2 and all(f == "engine_kwargs" for f, _ in issues)
+    assert "use the max_model_len option" in issues[0][1] and "token-in/token-out" in issues[1][1]
+
+
+def test_single_phase_engine_stops():
+    p = SampleParams(max_tokens=20, temperature=0.8, top_p=0.9, top_k=0, stop_token_ids=[7])
+    (phase,) = plan_phases(p, stop_ids=[2, 7], budget=16, seed=5)
+    assert not phase.stream and phase.max_new == 16
+    s = phase.sampling
+    assert s["max_new_tokens"] == 16 and s["stop_token_ids"] == [2, 7] and s["ignore_eos"] is False
+    assert (s["temperature"], s["top_p"], s["top_k"]) == (0.8, 0.9, -1)  # top_k 0 -> SGLang's -1
+    assert s["sampling_seed"] == 5 and s["min_new_tokens"] == 0 and "logit_bias" not in s
+    assert (s["repetition_penalty"], s["frequency_penalty"], s["presence_penalty"], s["min_p"]) == (1.0, 0.0, 0.0, 0.0)
+
+
+def test_greedy_phase():
+    (phase,) = plan_phases(SampleParams(temperature=0.0, top_k=4, top_p=0.5), stop_ids=[2], budget=3, seed=None)
+    s = phase.sampling
+    assert (s["temperature"], s["top_p"], s["top_k"]) == (0.0, 1.0, -1) and "sampling_seed" not in s
+
+
+def test_ignore_eos_alone_is_sglang_ignore_eos():
+    (phase,) = plan_phases(SampleParams(ignore_eos=True), stop_ids=[], budget=8, seed=None)
+    assert phase.sampling["ignore_eos"] is True and not phase.stream and "stop_token_ids" not in phase.sampling
+
+
+def test_ignore_eos_with_stop_ids_becomes_plugin_side_stops():
+    p = SampleParams(ignore_eos=True, stop_token_ids=[4, 9])
+    (phase,) = plan_phases(p, stop_ids=[4, 9], budget=8, seed=None)
+    assert phase.stream and phase.plugin_stops == frozenset({4, 9}) and phase.sampling["ignore_eos"] is True
+
+
+def test_min_tokens_is_two_phases_with_stop_ids_banned_first():
+    p = SampleParams(max_tokens=10, min_tokens=3, stop_token_ids=[6])
+    first, rest = plan_phases(p, stop_ids=[2, 6], budget=10, seed=100)
+    assert first.max_new == 3 and first.sampling["max_new_tokens"] == 3 and first.sampling["ignore_eos"] is True
+    assert first.sampling["logit_bias"] == {"2": INF, "6": INF} and not first.stream
+    assert rest.max_new == 7 and rest.sampling["stop_token_ids"] == [2, 6] and "logit_bias" not in rest.sampling
+    assert first.sampling["sampling_seed"] == 100 and rest.sampling["sampling_seed"] == 101
+    # min_tokens equal to the budget: one phase, stop ids banned throughout
+    (only,) = plan_phases(SampleParams(max_tokens=3, min_tokens=3), stop_ids=[2], budget=3, seed=None)
+    assert only.sampling["logit_bias"] == {"2": INF}
+    # nothing to suppress: min_tokens needs no phase of its own
+    (one,) = plan_phases(SampleParams(max_tokens=5, min_tokens=5, ignore_eos=True), stop_ids=[], budget=5, seed=None)
+    assert "logit_bias" not in one.sampling and one.max_new == 5
+
+
+def test_first_stop():
+    assert first_stop([1, 2, 3, 2], frozenset({2})) == 1
+    assert first_stop([1, 3], frozenset({2})) is None
+    assert first_stop([], frozenset({2})) is None
+
+
+def test_parse_output_final_and_stream_chunks():
+    out = {"output_ids": [5, 6, 2], "meta_info": {
+        "id": "r", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 3,
+        "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-0.25, 2, None)]}}
+    assert parse_output(out) == ([5, 6, 2], [-0.5, -1.0, -0.25], "stop", None)
+    chunk = {"output_ids": [5, 6], "meta_info": {"finish_reason": None, "output_token_logprobs": [(-0.5, 5, None)]}}
+    assert parse_output(chunk) == ([5, 6], [-0.5], None, None)
+    aborted = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
+    assert parse_output(aborted) == ([], [], "abort", "Abort before prefill")
+    bad = {"output_ids": [5], "meta_info": {"output_token_logprobs": [(-0.5, 7, None)]}}
+    with pytest.raises(ValueError, match="for token 7"):
+        parse_output(bad)
+
+
+@pytest.mark.parametrize("ftype, expected", [("stop", "stop"), ("length", "length"), ("abort", "abort"),
+                                              (None, "error"), ("weird", "error")])
+def test_finish_reason(ftype, expected):
+    assert finish_reason(ftype, None)[0] == expected
+
+
+def test_check_config_names_the_exact_install_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "sglang" else real(name))
+    assert SGLangBackend.check_config(cfg()) == [
+        ("name", 'the SGLang engine is not installed (the \'sglang\' package cannot be imported); install it with: '
+                 'pip install "rlcli-sglang[engine]"  (that is sglang==0.5.17, on a CUDA machine whose torch matches it)')
+    ]
+
+
+def test_check_config_versions(monkeypatch):
+    monkeypatch.setattr(type(ENGINE), "installed_version", lambda self: "0.5.16")
+    assert "sglang 0.5.16 is older than 0.5.17" in dict(SGLangBackend.check_config(cfg()))["name"]
+    monkeypatch.setattr(type(ENGINE), "installed_version", lambda self: "0.5.17")
+    assert SGLangBackend.check_config(cfg()) == [] and ENGINE.describe() == "sglang 0.5.17"

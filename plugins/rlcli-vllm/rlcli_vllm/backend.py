@@ -1,0 +1,323 @@
+"""``VLLMBackend``: vLLM's engine, in process, behind rlcli's inference-backend contract."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+from types import SimpleNamespace
+from typing import Any, ClassVar, Literal
+
+import torch
+from pydantic import Field
+
+from rlcli.backends.base import BackendContext
+from rlcli.component import ComponentConfig
+from rlcli.types import SampleParams
+from rlcli_vllm._runtime import EngineBackend, Job
+from rlcli_vllm.logic import (
+    ENGINE,
+    check_engine_kwargs,
+    engine_kwargs,
+    finish_reason,
+    logprob_caveat,
+    sampling_kwargs,
+    token_logprobs,
+)
+
+log = logging.getLogger(__name__)
+
+_DOC = """
+vLLM's ``LLMEngine`` runs in the rlcli process (``multiprocess_mode=False``, the "uni" executor,
+``skip_tokenizer_init``: token ids in, token ids out) and is stepped on the plugin's engine thread.
+Each step's outputs stream into the requests (``RequestOutputKind.DELTA``), so ``pause()`` aborts
+requests by id (``abort_request``) and returns exactly the tokens and logprobs produced so far.
+
+* **Logprobs**: vLLM's ``logprobs_mode`` (option ``logprobs_mode``). The default,
+  "processed_logprobs", is ``log_softmax(logits / T)`` - the contract's value - whenever top_k is 0
+  and top_p is 1; with top-k/top-p vLLM renormalises over the kept set. "raw_logprobs" is the
+  contract's value at temperature 1 (and greedy) whatever top-k/top-p. vLLM offers no mode that is
+  exact for both; a warning is logged once when a request falls outside the chosen mode's range.
+* **Weights**: ``update_weights`` checks names and shapes, then calls ``model.load_weights`` inside
+  vLLM's worker (``worker_extension_cls``), which fuses q/k/v and gate/up and copies in place;
+  the prefix cache is reset afterwards. While asleep, the weights are woken first
+  (``wake_up(tags=["weights"])``) and the KV cache stays released.
+* **Sleep**: both levels call vLLM's ``sleep(level=1)``: the KV cache is discarded and the weights
+  are moved to CPU memory, so ``wake_up`` restores the exact weights (vLLM's level 2 would drop
+  them).
+* **Limits**: one GPU (``tensor_parallel_size`` 1) and one rank per run; the engine always runs on
+  ``cuda:0`` of the process. Models vLLM loads with ``load_weights`` in place (bf16/fp16/fp32
+  checkpoints; not quantized ones).
+"""
+
+
+@contextlib.contextmanager
+def _keep_default_process_group(keep: bool):
+    """While vLLM tears down its distributed state, keep a default process group it did not create.
+
+    vLLM reuses an existing default ``torch.distributed`` group (rlcli's runners create one) and
+    destroys it on shutdown (``cleanup_dist_env_and_memory``); the run still needs it afterwards.
+    """
+    if not keep or not torch.distributed.is_available():
+        yield
+        return
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+
+    def destroy(group=None):
+        if group is None or group is dist.GroupMember.WORLD:
+            return
+        original(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = original
+
+
+class VLLMBackend(EngineBackend):
+    name: ClassVar[str] = "vllm"
+    engine = ENGINE
+
+    class Config(ComponentConfig):
+        gpu_memory_utilization: float = Field(
+            0.5,
+            gt=0.0,
+            le=1.0,
+            description="Share of the GPU's memory vLLM may use for weights, activations and KV cache "
+            "(vLLM's gpu_memory_utilization). Leave room for the colocated trainer.",
+        )
+        max_model_len: int | None = Field(
+            None,
+            gt=1,
+            description="Prompt + response tokens per sequence (vLLM's max_model_len). Default: the model's "
+            "max_position_embeddings. Longer prompts fail with finish_reason 'error'.",
+        )
+        max_batch_size: int | None = Field(
+            None, gt=0, description="Sequences decoded together (vLLM's max_num_seqs). Default: vLLM's (256)."
+        )
+        tensor_parallel_size: int = Field(
+            1, ge=1, description="GPUs per engine. This plugin version supports 1 (weights are loaded in process)."
+        )
+        enforce_eager: bool = Field(
+            False, description="Skip torch.compile and CUDA graphs (faster start-up, slower decoding)."
+        )
+        enable_prefix_caching: bool | None = Field(
+            None,
+            description="vLLM's automatic prefix caching (the prompt_repeat_k copies of a prompt share its KV "
+            "cache). Default: vLLM's (on). Reset after every weight update.",
+        )
+        logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = Field(
+            "processed_logprobs",
+            description="Which logprobs vLLM returns: 'processed_logprobs' equals log_softmax(logits / T) when "
+            "top_k is 0 and top_p is 1 (renormalised over the kept set otherwise); 'raw_logprobs' equals it at "
+            "temperature 1 (and greedy) whatever top_k/top_p.",
+        )
+        use_request_seeds: bool = Field(
+            True,
+            description="Pass each request's seed to vLLM (reproducible samples per request; vLLM then samples "
+            "those rows with per-request generators, which is slower). False: vLLM's own random stream.",
+        )
+        engine_kwargs: dict[str, Any] = Field(
+            default_factory=dict,
+            description="More vllm.EngineArgs, passed through as they are (e.g. kv_cache_dtype, "
+            "async_scheduling, compilation_config). Keys the plugin sets itself are refused.",
+        )
+
+    @classmethod
+    def check_config(cls, cfg: "VLLMBackend.Config") -> list[tuple[str, str]]:
+        """``rlcli validate``: the engine must be importable; options must be supported."""
+        issues = []
+        problem = ENGINE.problem()
+        if problem is not None:
+            issues.append(("name", problem))
+        if cfg.tensor_parallel_size != 1:
+            issues.append(
+                (
+                    "tensor_parallel_size",
+                    "rlcli-vllm 0.1 runs vLLM in process on one GPU; tensor_parallel_size must be 1",
+                )
+            )
+        issues += check_engine_kwargs(cfg.engine_kwargs)
+        return issues
+
+    def __init__(self, config: "VLLMBackend.Config | None", ctx: BackendContext):
+        if ctx.world_size > 1:
+            raise ValueError(
+                "rlcli-vllm 0.1 supports single-rank runs only (vLLM's in-process engine always uses cuda:0 "
+                "of its process); use rollout.name=embedded or sglang for multi-rank runs"
+            )
+        device = torch.device(ctx.device)
+        if device.type == "cuda" and device.index not in (None, 0):
+            raise ValueError(f"vLLM's in-process engine runs on cuda:0, not {device}")
+        self._engine: Any = None
+        self._api: SimpleNamespace | None = None
+        self._waiters: dict[str, tuple[asyncio.Future, Job]] = {}
+        self._driver: asyncio.Task | None = None
+        self._weights_asleep = False
+        self._kv_asleep = False
+        self._steps = 0
+        self._owns_default_group = True
+        super().__init__(config, ctx)
+
+    # -------------------------------------------------------------------------- engine
+    @staticmethod
+    def _load_api() -> SimpleNamespace:
+        """The vLLM classes the plugin uses (imported only when an engine is built)."""
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.llm_engine import LLMEngine
+        from vllm.v1.executor import Executor
+
+        return SimpleNamespace(
+            SamplingParams=SamplingParams,
+            RequestOutputKind=RequestOutputKind,
+            EngineArgs=EngineArgs,
+            UsageContext=UsageContext,
+            LLMEngine=LLMEngine,
+            Executor=Executor,
+        )
+
+    def _build_engine(self, api: SimpleNamespace) -> tuple[Any, int]:
+        """An in-process ``LLMEngine`` and its resolved ``max_model_len``."""
+        kw = engine_kwargs(self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed)
+        try:
+            args = api.EngineArgs(**kw)
+        except TypeError as exc:
+            raise ValueError(f"rollout.engine_kwargs: {exc}") from exc
+        vllm_config = args.create_engine_config(api.UsageContext.LLM_CLASS)
+        engine = api.LLMEngine(
+            vllm_config=vllm_config,
+            executor_class=api.Executor.get_class(vllm_config),
+            log_stats=False,
+            usage_context=api.UsageContext.LLM_CLASS,
+            multiprocess_mode=False,
+        )
+        return engine, int(vllm_config.model_config.max_model_len)
+
+    # -------------------------------------------------------------------------- engine hooks
+    async def _engine_start(self) -> None:
+        self._api = self._load_api()
+        self._owns_default_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+        self._engine, self.max_model_len = self._build_engine(self._api)
+
+    async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
+        sp = self._api.SamplingParams(
+            **sampling_kwargs(job.params, stop_ids=job.stop_ids, budget=job.budget, seed=job.seed),
+            output_kind=self._api.RequestOutputKind.DELTA,
+        )
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[job.rid] = (fut, job)
+        try:
+            self._engine.add_request(job.rid, {"prompt_token_ids": job.prompt}, sp)
+        except Exception:
+            self._waiters.pop(job.rid, None)
+            raise
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.get_running_loop().create_task(self._drive(), name="rlcli-vllm-steps")
+        return await fut
+
+    async def _drive(self) -> None:
+        """Step the engine while requests wait; other engine-loop work runs between steps."""
+        try:
+            while self._waiters:
+                if not self._engine.has_unfinished_requests():
+                    raise RuntimeError("vLLM has no unfinished request but rlcli still waits for some")
+                for out in self._engine.step():
+                    self._on_output(out)
+                self._steps += 1
+                await asyncio.sleep(0)
+        except Exception as exc:
+            log.exception("vLLM engine step failed")
+            waiters, self._waiters = self._waiters, {}
+            with contextlib.suppress(Exception):
+                self._engine.abort_request(list(waiters))
+            for fut, _ in waiters.values():
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"vLLM engine step failed: {type(exc).__name__}: {exc}"))
+
+    def _on_output(self, out: Any) -> None:
+        entry = self._waiters.get(out.request_id)
+        if entry is None:
+            return
+        fut, job = entry
+        comp = out.outputs[0] if out.outputs else None
+        try:
+            if comp is not None and len(comp.token_ids):
+                ids = list(comp.token_ids)
+                job.add(ids, token_logprobs(ids, comp.logprobs))
+        except Exception as exc:
+            self._waiters.pop(out.request_id, None)
+            with contextlib.suppress(Exception):
+                self._engine.abort_request([out.request_id])
+            if not fut.done():
+                fut.set_exception(exc)
+            return
+        if out.finished:
+            self._waiters.pop(out.request_id, None)
+            reason = finish_reason(comp.finish_reason if comp is not None else None) or "error"
+            if not fut.done():
+                fut.set_result((reason, None))
+
+    async def _engine_abort(self, jobs: list[Job]) -> None:
+        rids = [j.rid for j in jobs if j.rid in self._waiters]
+        if not rids:
+            return
+        self._engine.abort_request(rids)
+        for rid in rids:
+            fut, _ = self._waiters.pop(rid)
+            if not fut.done():
+                fut.set_result(("abort", None))
+
+    async def _engine_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        if self._weights_asleep:
+            self._engine.wake_up(tags=["weights"])
+            self._weights_asleep = False
+        self._engine.collective_rpc("rlcli_load_weights", args=(named_tensors,))
+        if not self._engine.reset_prefix_cache():
+            log.warning("vLLM could not reset its prefix cache after a weight update")
+
+    async def _engine_sleep(self, level: int) -> None:
+        # vLLM level 1 discards the KV cache and moves the weights to CPU memory; its level 2 would
+        # drop the weights, which the contract must restore on wake_up: both levels map to 1.
+        self._engine.sleep(level=1)
+        self._weights_asleep = self._kv_asleep = True
+
+    async def _engine_wake_up(self) -> None:
+        if self._weights_asleep and self._kv_asleep:
+            self._engine.wake_up()
+        elif self._kv_asleep:
+            self._engine.wake_up(tags=["kv_cache"])
+        elif self._weights_asleep:
+            self._engine.wake_up(tags=["weights"])
+        self._weights_asleep = self._kv_asleep = False
+
+    async def _engine_shutdown(self) -> None:
+        waiters, self._waiters = self._waiters, {}
+        for fut, _ in waiters.values():
+            if not fut.done():
+                fut.set_result(("abort", None))
+        engine, self._engine = self._engine, None
+        if engine is None:
+            return
+        with _keep_default_process_group(not self._owns_default_group):
+            engine.engine_core.shutdown()
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _engine_stats(self) -> dict[str, float]:
+        steps, self._steps = self._steps, 0
+        return {"steps": float(steps)}
+
+    def _logprob_caveat(self, params: SampleParams) -> str | None:
+        return logprob_caveat(self.config.logprobs_mode, params)
+
+
+VLLMBackend.__doc__ = f"vLLM engine, in process ({ENGINE.describe()}).\n" + _DOC

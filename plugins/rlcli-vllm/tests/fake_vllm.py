@@ -1,0 +1,210 @@
+"""A CPU stand-in for the vLLM 0.26.0 objects the plugin touches, shaped like the real ones.
+
+Shapes copied from the vLLM 0.26.0 wheel: ``vllm/outputs.py`` (``RequestOutput(request_id, prompt,
+prompt_token_ids, prompt_logprobs, outputs, finished)``, ``CompletionOutput(index, text, token_ids,
+cumulative_logprob, logprobs, routed_experts, finish_reason, stop_reason)``), ``vllm/logprobs.py``
+(``FlatLogprobs(start_indices, end_indices, token_ids, logprobs, ranks, decoded_tokens)``) and the
+``vllm/v1/engine/llm_engine.py`` ``LLMEngine`` methods ``add_request``, ``step``, ``abort_request``,
+``has_unfinished_requests``, ``sleep``, ``wake_up``, ``collective_rpc``, ``reset_prefix_cache``,
+``engine_core.shutdown``. The "model" is a hash of the context plus a weight offset that
+``collective_rpc("rlcli_load_weights", ...)`` changes, so updates change outputs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from rlcli_vllm.backend import VLLMBackend
+
+
+@dataclass
+class FlatLogprobs:
+    start_indices: list[int] = field(default_factory=list)
+    end_indices: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+    decoded_tokens: list[str | None] = field(default_factory=list)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: Any
+    routed_experts: Any = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: Any
+    outputs: list[CompletionOutput]
+    finished: bool
+
+
+class SamplingParams:
+    """Records the keyword arguments the plugin passes."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def next_token(context: list[int], shift: int, vocab: int) -> int:
+    h = shift
+    for t in context[-4:]:
+        h = (h * 1_000_003 + t + 7) % 2_147_483_647
+    return h % vocab
+
+
+def token_logprob(tok: int) -> float:
+    return -0.05 * (1 + tok % 13)
+
+
+class FakeLLMEngine:
+    """One token per running request per ``step()``; DELTA outputs with FlatLogprobs."""
+
+    def __init__(self, vocab: int, step_s: float = 0.002):
+        self.vocab = vocab
+        self.step_s = step_s
+        self.shift = 0
+        self.requests: dict[str, dict] = {}
+        self.asleep: set[str] = set()
+        self.calls: list[tuple] = []
+        self.fail_next_step = False
+        self.engine_core = SimpleNamespace(shutdown=lambda: self.calls.append(("shutdown",)))
+        self.thread_ids: set[int] = set()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id, prompt, params):
+        self.thread_ids.add(threading.get_ident())
+        assert params.output_kind in ("DELTA", "FINAL_ONLY")
+        self.requests[request_id] = {"prompt": list(prompt["prompt_token_ids"]), "sp": params, "gen": []}
+        self.calls.append(("add_request", request_id))
+        return request_id + "-internal"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def abort_request(self, request_ids, internal=False):
+        self.calls.append(("abort_request", tuple(request_ids)))
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def step(self) -> list[RequestOutput]:
+        self.thread_ids.add(threading.get_ident())
+        if self.fail_next_step:
+            self.fail_next_step = False
+            raise RuntimeError("CUDA error: device-side assert triggered")
+        assert "kv_cache" not in self.asleep and "weights" not in self.asleep, "stepped while asleep"
+        time.sleep(self.step_s)
+        outs = []
+        for rid, r in list(self.requests.items()):
+            sp = r["sp"]
+            stops = getattr(sp, "stop_token_ids", None) or []
+            min_tokens = getattr(sp, "min_tokens", 0)
+            tok = next_token(r["prompt"] + r["gen"], self.shift, self.vocab)
+            n = len(r["gen"])
+            if n < min_tokens:
+                while tok in stops:
+                    tok = (tok + 1) % self.vocab
+            r["gen"].append(tok)
+            # position holds a non-sampled token first sometimes (rank order), then the sampled one
+            flat = FlatLogprobs()
+            flat.start_indices.append(0)
+            if tok % 3 == 0:
+                other = (tok + 1) % self.vocab
+                flat.token_ids.append(other)
+                flat.logprobs.append(-0.01)
+                flat.ranks.append(1)
+                flat.decoded_tokens.append(None)
+            flat.token_ids.append(tok)
+            flat.logprobs.append(token_logprob(tok))
+            flat.ranks.append(2)
+            flat.decoded_tokens.append(None)
+            flat.end_indices.append(len(flat.token_ids))
+            finish = None
+            if tok in stops and n + 1 >= min_tokens:
+                finish = "stop"
+            elif n + 1 >= sp.max_tokens:
+                finish = "length"
+            if sp.output_kind == "FINAL_ONLY":
+                if finish is None:
+                    continue
+                flat, ids = None, list(r["gen"])  # (a bare-engine caller that asked for no logprobs)
+            else:
+                ids = [tok]
+            outs.append(
+                RequestOutput(
+                    request_id=rid,
+                    prompt=None,
+                    prompt_token_ids=r["prompt"],
+                    prompt_logprobs=None,
+                    outputs=[CompletionOutput(0, "", ids, None, flat, finish_reason=finish)],
+                    finished=finish is not None,
+                )
+            )
+            if finish is not None:
+                del self.requests[rid]
+        return outs
+
+    # ------------------------------------------------------------------ control
+    def sleep(self, level: int = 1, mode: str = "abort"):
+        self.calls.append(("sleep", level))
+        assert not self.requests, "slept with requests in flight"
+        self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", None if tags is None else tuple(tags)))
+        if tags is None:
+            self.asleep = set()
+        else:
+            self.asleep -= set(tags)
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("collective_rpc", method))
+        assert method == "rlcli_load_weights"
+        assert "weights" not in self.asleep, "loaded weights into offloaded memory"
+        (named,) = args
+        self.loaded = [name for name, _ in named]
+        self.shift = int(sum(float(t.float().sum()) for _, t in named) * 1000) % 9973
+        return [len(named)]
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        self.calls.append(("reset_prefix_cache",))
+        return True
+
+
+class FakeVLLMBackend(VLLMBackend):
+    """The plugin's backend over :class:`FakeLLMEngine` (CPU, no vLLM)."""
+
+    requires_cuda = False
+    step_s = 0.002
+
+    @staticmethod
+    def _load_api():
+        return SimpleNamespace(SamplingParams=SamplingParams,
+                               RequestOutputKind=SimpleNamespace(DELTA="DELTA", FINAL_ONLY="FINAL_ONLY"))
+
+    def _build_engine(self, api):
+        self.fake = FakeLLMEngine(self.model_info.vocab_size, self.step_s)
+        return self.fake, int(self.config.max_model_len or self.model_info.max_position_embeddings)
+
+
+def context(model_dir, eos: int = 2, version: int = 0):
+    from rlcli.backends.base import BackendContext
+
+    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=torch.float32,
+                          eos_token_ids=[eos], seed=0, version=version)

@@ -1,0 +1,195 @@
+"""The vLLM backend's own code paths over a CPU stand-in for vLLM's ``LLMEngine`` (fake_vllm.py):
+stepping, DELTA parsing, pause with partial tokens, weight updates (also while asleep), sleep
+tags, engine failures, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from fake_vllm import FakeVLLMBackend, context, next_token, token_logprob
+from transformers import AutoModelForCausalLM
+
+from rlcli.backends.base import GenerateRequest
+from rlcli.types import SampleParams
+
+
+@pytest.fixture
+def backend(tiny_qwen2):
+    be = FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2, eos=2, version=3))
+    yield be
+    be.shutdown()
+
+
+def gen(be, prompt, seed=None, **params):
+    return be.generate(GenerateRequest(list(prompt), SampleParams(**params), seed=seed))
+
+
+def expected(be, prompt, n, shift=0, stops=()):
+    out, ctx = [], list(prompt)
+    for _ in range(n):
+        t = next_token(ctx, shift, be.model_info.vocab_size)
+        out.append(t)
+        ctx.append(t)
+        if t in stops:
+            break
+    return out
+
+
+def test_generate_streams_tokens_logprobs_versions(backend):
+    async def main():
+        return await asyncio.gather(gen(backend, [5, 6, 7], max_tokens=12, ignore_eos=True),
+                                    gen(backend, [8], max_tokens=5, ignore_eos=True, temperature=0.0))
+
+    a, b = asyncio.run(main())
+    assert a.token_ids == expected(backend, [5, 6, 7], 12) and a.finish_reason == "length"
+    assert a.logprobs == [token_logprob(t) for t in a.token_ids]
+    assert a.versions == [3] * 12 and b.versions == [3] * 5
+    # every engine call happened on the plugin's engine thread, never on the caller's
+    assert backend.fake.thread_ids and threading.get_ident() not in backend.fake.thread_ids
+
+
+def test_stop_ids_and_eos_reach_vllm_as_stop_token_ids(backend):
+    seen = {}
+    orig = backend.fake.add_request
+
+    def spy(rid, prompt, sp):
+        seen[rid] = sp
+        return orig(rid, prompt, sp)
+
+    backend.fake.add_request = spy
+    first = expected(backend, [9, 9], 1)[0]
+    out = asyncio.run(gen(backend, [9, 9], max_tokens=8, stop_token_ids=[first]))
+    assert out.token_ids == [first] and out.finish_reason == "stop"
+    sp = next(iter(seen.values()))
+    assert sp.stop_token_ids == [2, first] and sp.ignore_eos is True and sp.logprobs == 0
+    assert sp.seed is not None  # use_request_seeds: a seed is always passed
+    out = asyncio.run(gen(backend, [9, 9], max_tokens=8, min_tokens=3, stop_token_ids=[first]))
+    assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
+
+
+def test_pause_returns_partial_tokens_and_refuses_new_requests(backend):
+    async def main():
+        task = asyncio.ensure_future(gen(backend, [1, 2, 3], max_tokens=400, ignore_eos=True, temperature=0.0))
+        await asyncio.sleep(0.1)
+        backend.pause()
+        part = await asyncio.wait_for(task, 5)
+        late = await gen(backend, [1, 2, 3], max_tokens=4)
+        backend.resume()
+        rest = await gen(backend, [1, 2, 3] + part.token_ids, max_tokens=400 - len(part.token_ids),
+                         ignore_eos=True, temperature=0.0)
+        return part, late, rest
+
+    part, late, rest = asyncio.run(main())
+    assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 400
+    assert part.token_ids == expected(backend, [1, 2, 3], len(part.token_ids))
+    assert len(part.logprobs) == len(part.versions) == len(part.token_ids)
+    assert late.finish_reason == "abort" and late.token_ids == []
+    assert part.token_ids + rest.token_ids == expected(backend, [1, 2, 3], 400)
+    assert any(c[0] == "abort_request" for c in backend.fake.calls)
+
+
+def _named(model_dir, scale):
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    return [(n, t * scale) for n, t in model.state_dict().items()]
+
+
+def test_update_weights_checks_names_then_loads_and_resets_the_prefix_cache(backend, tiny_qwen2):
+    named = _named(tiny_qwen2, 0.5)
+    with pytest.raises(ValueError, match="no_such_weight"):
+        backend.update_weights([("model.no_such_weight", torch.zeros(1))] + named, 9)
+    assert backend.version == 3 and not any(c[0] == "collective_rpc" for c in backend.fake.calls)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        backend.update_weights([(named[0][0], torch.zeros(3, 3))], 9)
+    backend.update_weights(named, 9)
+    assert backend.version == 9
+    assert "lm_head.weight" not in backend.fake.loaded  # tied alias dropped next to the embedding
+    assert backend.fake.calls[-2:] == [("collective_rpc", "rlcli_load_weights"), ("reset_prefix_cache",)]
+    out = asyncio.run(gen(backend, [4, 4], max_tokens=6, ignore_eos=True))
+    assert out.versions == [9] * 6 and out.token_ids == expected(backend, [4, 4], 6, shift=backend.fake.shift)
+    # the tied alias alone is loaded under the canonical name
+    backend.update_weights([("lm_head.weight", dict(named)["lm_head.weight"])], 10)
+    assert backend.fake.loaded == ["model.embed_tokens.weight"]
+
+
+def test_sleep_aborts_in_flight_and_queues_new_requests_until_wake_up(backend, tiny_qwen2):
+    async def main():
+        running = asyncio.ensure_future(gen(backend, [3, 1], max_tokens=500, ignore_eos=True))
+        await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, backend.sleep, 2)
+        first = await asyncio.wait_for(running, 5)
+        queued = asyncio.ensure_future(gen(backend, [3, 1], max_tokens=4, ignore_eos=True))
+        await asyncio.sleep(0.1)
+        assert not queued.done(), "a request was served while asleep"
+        # weights pushed while asleep: vLLM wakes the weights only, the KV cache stays released
+        await asyncio.get_running_loop().run_in_executor(None, backend.update_weights, _named(tiny_qwen2, 2.0), 4)
+        assert not queued.done()
+        backend.wake_up()
+        return first, await asyncio.wait_for(queued, 5)
+
+    first, queued = asyncio.run(main())
+    assert first.finish_reason == "abort"
+    assert queued.finish_reason == "length" and queued.versions == [4] * 4
+    calls = [c for c in backend.fake.calls if c[0] in ("sleep", "wake_up", "collective_rpc")]
+    assert calls == [("sleep", 1), ("wake_up", ("weights",)), ("collective_rpc", "rlcli_load_weights"),
+                     ("wake_up", ("kv_cache",))]
+
+
+def test_sleep_and_wake_without_update_wake_everything(backend):
+    backend.sleep(1)
+    backend.wake_up()
+    backend.wake_up()  # awake already: nothing happens
+    assert [c for c in backend.fake.calls if c[0] in ("sleep", "wake_up")] == [("sleep", 1), ("wake_up", None)]
+    assert asyncio.run(gen(backend, [7], max_tokens=3, ignore_eos=True)).finish_reason == "length"
+    with pytest.raises(ValueError, match="sleep level"):
+        backend.sleep(3)
+
+
+def test_engine_step_failure_fails_requests_and_the_backend_recovers(backend):
+    backend.fake.fail_next_step = True
+    out = asyncio.run(gen(backend, [2, 3], max_tokens=5, ignore_eos=True))
+    assert out.finish_reason == "error" and "device-side assert" in out.error
+    again = asyncio.run(gen(backend, [2, 3], max_tokens=5, ignore_eos=True))
+    assert again.finish_reason == "length" and len(again.token_ids) == 5
+
+
+def test_invalid_requests_error_before_the_engine(backend):
+    async def main():
+        return await asyncio.gather(gen(backend, []), gen(backend, [1, 10**6]),
+                                    gen(backend, [1] * (backend.max_model_len + 3)))
+
+    for out in asyncio.run(main()):
+        assert out.finish_reason == "error" and out.error
+    assert not any(c[0] == "add_request" for c in backend.fake.calls)
+
+
+def test_stats_count_tokens_and_requests(backend):
+    asyncio.run(gen(backend, [1], max_tokens=4, ignore_eos=True))
+    s = backend.stats()
+    assert s["generated_tokens"] == 4 and s["requests"] == 1 and s["steps"] >= 4 and s["busy_s"] > 0
+    assert backend.stats()["generated_tokens"] == 0  # reset on read
+
+
+def test_shutdown_frees_the_engine_and_later_calls_fail_cleanly(tiny_qwen2):
+    be = FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    fake = be.fake
+    be.shutdown()
+    be.shutdown()
+    assert fake.calls[-1] == ("shutdown",)
+    out = asyncio.run(gen(be, [1], max_tokens=2))
+    assert out.finish_reason == "error" and "shut down" in out.error
+    with pytest.raises(RuntimeError, match="shut down"):
+        be.update_weights([], 1)
+
+
+def test_the_real_backend_refuses_cpu_and_multi_rank(tiny_qwen2):
+    from rlcli_vllm import VLLMBackend
+
+    with pytest.raises(ValueError, match="runs on CUDA GPUs"):
+        VLLMBackend(VLLMBackend.Config(), context(tiny_qwen2))
+    ctx = context(tiny_qwen2)
+    ctx.world_size = 2
+    with pytest.raises(ValueError, match="single-rank"):
+        VLLMBackend(VLLMBackend.Config(), ctx)
