@@ -2,7 +2,7 @@
 
     rlcli train RECIPE [KEY=VALUE ...] [--work-dir DIR]
     rlcli eval RECIPE [--checkpoint DIR] [KEY=VALUE ...]
-    rlcli validate RECIPE [KEY=VALUE ...]
+    rlcli validate RECIPE [KEY=VALUE ...] [--nproc-per-node N]
     rlcli plugins [--json]
     rlcli recipes
     rlcli data gsm8k IN OUT
@@ -76,17 +76,20 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
       rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
     """
     rec = _load(recipe, overrides)
-    if rec.trainer.mode != "colocate":
-        click.secho("trainer.mode 'disaggregated' is not available yet in this version", fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner.colocate import rank_entry, run_training
     from rlcli.runner.common import WorkDirInUse
 
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
+    disaggregated = rec.trainer.mode == "disaggregated"
+    if disaggregated:  # one launch, split into train and rollout ranks: check the split before any rank starts
+        from rlcli.runner import disaggregated as disagg
+
+        _check_launch(recipe, rec, spec.world_size)
+        rank_entry = disagg.rank_entry
     try:
         spec.check()
-        if spec.world_size == 1:
+        if spec.world_size == 1 and not disaggregated:
             path, final = run_training(rec, work_dir, quiet=quiet, overwrite=overwrite)
         else:
             results = launch(spec, rank_entry, recipe, list(overrides), work_dir, quiet, overwrite)
@@ -131,12 +134,29 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
 
 
+def _check_launch(recipe: str, rec, world_size: int) -> None:
+    """Exit 2 listing every problem of ``rec`` launched on ``world_size`` ranks (disaggregated placements)."""
+    from rlcli.config import RecipeError, check_launch
+
+    issues = check_launch(rec, world_size)
+    if issues:
+        click.secho(str(RecipeError(issues, recipe)), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
+
+
 @cli.command(context_settings={"ignore_unknown_options": True})
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
-def validate(recipe: str, overrides: tuple[str, ...]) -> None:
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
+              help="Also check the recipe against a launch of this many ranks per machine (disaggregated "
+                   "placements), as `rlcli train --nproc-per-node`.")
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Machines of that launch (with --nproc-per-node).")
+def validate(recipe: str, overrides: tuple[str, ...], nproc_per_node: int | None, nnodes: int) -> None:
     """Check RECIPE (with overrides) without loading any model; list every problem (exit 2)."""
     rec = _load(recipe, overrides)
+    if nproc_per_node is not None:
+        _check_launch(recipe, rec, nproc_per_node * nnodes)
     comps = rec.components()
     click.secho(f"{recipe}: OK ({len(comps)} components resolved)", fg="green")
     for path, kind, spec in comps:

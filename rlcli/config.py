@@ -95,7 +95,9 @@ class ModelConfig(Strict):
 # --------------------------------------------------------------------------------- trainer
 class TrainerConfig(Strict):
     mode: Literal["colocate", "disaggregated"] = Field(
-        "colocate", description="colocate: rollout and training take turns on the same devices.")
+        "colocate", description="colocate: rollout and training take turns on the same devices. disaggregated: "
+        "resources.rollout_resources ranks produce in the background while resources.train_resources ranks train "
+        "(docs/disaggregated.md).")
     total_train_steps: int | None = Field(None, description="Training steps; wins over total_epochs.")
     total_epochs: int | None = Field(None, description="Passes over the train prompts (steps = prompts // batch × epochs).")
     train_batch_size: int = Field(..., description="Prompt groups consumed per training step.")
@@ -119,11 +121,32 @@ class TrainerConfig(Strict):
     dump_rollout_groups: int = Field(
         4, ge=0, description="Groups per step written to rollouts/step-N.jsonl (the best and worst by reward).")
     log_every: int = Field(1, gt=0, description="Console summary every N steps.")
+    update_weight_bucket_mb: int = Field(
+        512, gt=0, description="trainer.mode disaggregated: weights go from train rank 0 to the rollout ranks in "
+        "buckets of at most this many MiB (a larger tensor goes alone).")
+    peer_timeout_s: float = Field(
+        1800.0, gt=0, description="trainer.mode disaggregated: a rank waiting longer than this for its peers (a "
+        "rollout batch, the next command, a weight update) fails the run instead of hanging.")
+
+
+class PlacementConfig(Strict):
+    """Ranks of one launch given to one side of a disaggregated run: ``{num_workers: N}`` or ``{ranks: [...]}``."""
+
+    num_workers: int | None = Field(
+        None, description="This many ranks, assigned in order: train ranks first, then rollout ranks.")
+    ranks: list[int] | None = Field(None, description="These global ranks (0 .. launched ranks - 1).")
 
 
 class ResourcesConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: CUDA when available.")
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU.")
+    train_resources: PlacementConfig | None = Field(
+        None, description="trainer.mode disaggregated: the ranks that train (FSDP2 over their own process group), "
+        "`{num_workers: N}` or `{ranks: [...]}`. Disjoint from rollout_resources; together they cover every "
+        "launched rank.")
+    rollout_resources: PlacementConfig | None = Field(
+        None, description="trainer.mode disaggregated: the ranks that each host an inference replica and produce "
+        "rollouts in the background, `{num_workers: N}` or `{ranks: [...]}`.")
 
 
 # ---------------------------------------------------------------------------- train worker
@@ -484,6 +507,7 @@ def _check_rules(raw: dict, issues: list[Issue]) -> None:
         if not isinstance(ev, dict) or not ev.get("tasks"):
             issues.append(Issue("eval.tasks", "trainer.enable_evaluate is true but the recipe has no eval.tasks "
                                 "(add eval tasks or set trainer.enable_evaluate=false)"))
+    _check_disaggregated(raw, issues)
     tasks = raw.get("tasks")
     if isinstance(tasks, list):
         if not tasks:
@@ -530,6 +554,137 @@ def _check_tasks(tasks: list, where: str, issues: list[Issue]) -> None:
                 issues.append(Issue(f"{where}.{i}.task_name",
                                     f"duplicate task_name {name!r} (also {where}.{seen[name]}.task_name)"))
             seen[name] = i
+
+
+# ------------------------------------------------------------------- disaggregated placement
+TRAIN_RESOURCES, ROLLOUT_RESOURCES = "resources.train_resources", "resources.rollout_resources"
+_BOTH = f"{TRAIN_RESOURCES} and {ROLLOUT_RESOURCES}"
+
+
+def _placement_side(spec: Any, where: str, issues: list[Issue]) -> tuple[str, Any] | None:
+    """``("n", N)`` or ``("ranks", [...])`` for one side's spec; None (and an issue) when unusable."""
+    if isinstance(spec, BaseModel):
+        spec = spec.model_dump(exclude_none=True)
+    if not isinstance(spec, dict):
+        issues.append(Issue(where, f"expected {{num_workers: N}} or {{ranks: [...]}}, got {spec!r} ({_BOTH} split "
+                            "the launched ranks between training and rollout)"))
+        return None
+    n, ranks = spec.get("num_workers"), spec.get("ranks")
+    if (n is None) == (ranks is None):
+        issues.append(Issue(where, f"set exactly one of num_workers and ranks ({_BOTH} each take "
+                            "{num_workers: N} or {ranks: [...]})"))
+        return None
+    if n is not None:
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            issues.append(Issue(f"{where}.num_workers", f"must be a positive number of ranks, got {n!r}: "
+                                f"{_BOTH} each need at least one rank"))
+            return None
+        return "n", n
+    if not isinstance(ranks, list) or not ranks:
+        issues.append(Issue(f"{where}.ranks", f"is empty: {_BOTH} each need at least one rank"))
+        return None
+    bad = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+    if bad:
+        issues.append(Issue(f"{where}.ranks", f"ranks are global rank numbers >= 0, got {bad} ({_BOTH} split the "
+                            "launched ranks 0 .. N-1)"))
+        return None
+    dup = sorted({r for r in ranks if ranks.count(r) > 1})
+    if dup:
+        issues.append(Issue(f"{where}.ranks", f"lists rank(s) {dup} more than once ({_BOTH} give every launched "
+                            "rank exactly one role)"))
+        return None
+    return "ranks", sorted(ranks)
+
+
+def resolve_placement(resources: Any, world_size: int | None) -> tuple[list[int], list[int], list[Issue]]:
+    """The train ranks and rollout ranks of a disaggregated run, and every problem with them.
+
+    ``resources`` is the ``resources`` section (raw dict or :class:`ResourcesConfig`). A
+    ``{num_workers: N}`` side takes the N lowest ranks the other side does not list (both
+    ``num_workers``: train ranks first, then rollout ranks). The sides must be non-empty and
+    disjoint; when the launch size is known (``world_size``) they must cover exactly ranks
+    ``0 .. world_size - 1``. Every message names both fields. On problems the lists are empty.
+    """
+    if isinstance(resources, BaseModel):
+        resources = resources.model_dump()
+    resources = resources if isinstance(resources, dict) else {}
+    issues: list[Issue] = []
+    specs = {}
+    for key, where in (("train_resources", TRAIN_RESOURCES), ("rollout_resources", ROLLOUT_RESOURCES)):
+        if resources.get(key) is None:
+            issues.append(Issue(where, f"required with trainer.mode=disaggregated: {_BOTH} split the launched ranks "
+                                "({num_workers: N} or {ranks: [...]} each)"))
+            continue
+        side = _placement_side(resources[key], where, issues)
+        if side is not None:
+            specs[key] = side
+    if issues or len(specs) != 2:
+        return [], [], issues
+    (tk, tv), (rk, rv) = specs["train_resources"], specs["rollout_resources"]
+    if tk == "ranks" and rk == "ranks":
+        train, rollout = tv, rv
+        both = sorted(set(train) & set(rollout))
+        if both:
+            issues.append(Issue(TRAIN_RESOURCES, f"{TRAIN_RESOURCES}.ranks and {ROLLOUT_RESOURCES}.ranks overlap on "
+                                f"rank(s) {both}: a rank either trains or rolls out"))
+            return [], [], issues
+    elif tk == "n" and rk == "n":
+        train, rollout = list(range(tv)), list(range(tv, tv + rv))
+    elif tk == "ranks":
+        train = tv
+        rollout = [r for r in range(len(tv) + rv) if r not in set(tv)][:rv]
+    else:
+        rollout = rv
+        train = [r for r in range(len(rv) + tv) if r not in set(rv)][:tv]
+    if world_size is not None:
+        used = set(train) | set(rollout)
+        beyond = sorted(r for r in used if r >= world_size)
+        idle = sorted(set(range(world_size)) - used)
+        where = ROLLOUT_RESOURCES if beyond and not set(beyond) & set(train) else TRAIN_RESOURCES
+        if beyond:
+            issues.append(Issue(where, f"{_BOTH} use rank(s) {beyond} but only {world_size} rank(s) are launched "
+                                f"(0 .. {world_size - 1}; --nproc-per-node x --nnodes): train ranks {train}, rollout "
+                                f"ranks {rollout}"))
+        elif idle:
+            issues.append(Issue(where, f"{_BOTH} cover {len(used)} rank(s) but {world_size} are launched "
+                                f"(--nproc-per-node x --nnodes); rank(s) {idle} would have no role: train ranks "
+                                f"{train}, rollout ranks {rollout}"))
+        if issues:
+            return [], [], issues
+    return train, rollout, issues
+
+
+def _check_disaggregated(raw: dict, issues: list[Issue]) -> None:
+    tr = raw.get("trainer") if isinstance(raw.get("trainer"), dict) else {}
+    res = raw.get("resources") if isinstance(raw.get("resources"), dict) else {}
+    if tr.get("mode", "colocate") != "disaggregated":
+        for key, where in (("train_resources", TRAIN_RESOURCES), ("rollout_resources", ROLLOUT_RESOURCES)):
+            if res.get(key) is not None:
+                issues.append(Issue(where, f"only used with trainer.mode=disaggregated (trainer.mode is "
+                                    f"{tr.get('mode', 'colocate')!r}); {_BOTH} split the launched ranks"))
+        return
+    issues.extend(resolve_placement(res, None)[2])
+    tasks = raw.get("tasks")
+    for i, t in enumerate(tasks if isinstance(tasks, list) else []):
+        ps = t.get("produce_strategy") if isinstance(t, dict) else None
+        name = ps.get("name") if isinstance(ps, dict) else "sync"
+        if name != "async":
+            issues.append(Issue(f"tasks.{i}.produce_strategy.name",
+                                f"trainer.mode=disaggregated trains from a background producer: training tasks use "
+                                f"the 'async' produce strategy (over_sample_threshold: 0, max_staleness: 0 for "
+                                f"on-policy lock-step), got {name!r}"))
+
+
+def check_launch(recipe: Recipe, world_size: int) -> list[Issue]:
+    """Problems of ``recipe`` launched on ``world_size`` ranks (disaggregated placements)."""
+    if recipe.trainer.mode != "disaggregated":
+        return []
+    train, rollout, issues = resolve_placement(recipe.resources, world_size)
+    if not issues and recipe.trainer.train_batch_size < len(rollout):
+        issues.append(Issue("trainer.train_batch_size", f"trainer.train_batch_size={recipe.trainer.train_batch_size} "
+                            f"is smaller than the {len(rollout)} ranks of {ROLLOUT_RESOURCES}: every rollout rank "
+                            "produces at least one group per step"))
+    return issues
 
 
 def validate_recipe(raw: Any, registry: Registry | None = None, source: str | None = None,

@@ -6,10 +6,16 @@ many. Without a launcher environment (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` un
 file, nothing that can collide with another run on the same machine.
 
 Backends: gloo on CPU; on CUDA, NCCL for CUDA tensors plus gloo for CPU tensors (one group).
+
+Sub-groups (a disaggregated run trains on some ranks and rolls out on others): :func:`new_group`
+creates one with the same backends (every rank of the job must call it, in the same order), and
+:func:`group_mesh` turns it into the 1-D ``("dp",)`` mesh FSDP2 shards over; :func:`barrier`
+takes an optional group (default: the whole job).
 """
 
 from __future__ import annotations
 
+import datetime
 import os
 
 import torch
@@ -76,9 +82,31 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group`` (default: the whole job); a no-op alone."""
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def new_group(ranks: list[int], device: torch.device | str = "cpu", *, cpu_only: bool = False,
+              timeout: datetime.timedelta | None = None) -> dist.ProcessGroup:
+    """A process group of ``ranks`` (global ranks, any order; stored sorted).
+
+    Collective over the whole job: every rank calls it, members or not, with the same arguments
+    and in the same order as every other ``new_group``. Backends as the default group (gloo on
+    CPU; NCCL for CUDA tensors plus gloo for CPU tensors on CUDA), or gloo alone with
+    ``cpu_only`` (for Python objects and small control messages). ``timeout``: how long an
+    operation of the group may wait for its peers (default: the default group's). Non-members get
+    a placeholder they must not use.
+    """
+    backend = "gloo" if cpu_only else _backend(torch.device(device))
+    return dist.new_group(sorted(ranks), backend=backend, timeout=timeout)
+
+
+def group_mesh(group: dist.ProcessGroup, device: torch.device | str = "cpu") -> DeviceMesh:
+    """The 1-D data-parallel mesh (``("dp",)``) over the ranks of ``group`` (members only; no collective)."""
+    device = torch.device(device)
+    return DeviceMesh.from_group(group, device.type, mesh_dim_names=("dp",))
 
 
 def device_mesh(device: torch.device | str = "cpu") -> DeviceMesh:

@@ -18,11 +18,12 @@ from rlcli.config import Recipe
 from rlcli.dist import barrier, init_distributed
 from rlcli.manager import RolloutManager
 from rlcli.models import resolve_device
-from rlcli.plugins import get_registry
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.common import (
-    Environment, Evaluator, Timer, build_tasks, default_work_dir, mean, prepare_work_dir, sample_row,
-    seed_everything, sequences_from_groups, setup_logging, write_jsonl, write_resolved,
+    Environment, Evaluator, Timer, build_tasks, build_trackers, default_work_dir, dump_rollout_groups,
+    freeze_heap, log_to_trackers, mean, prepare_work_dir, prune_step_dirs, sample_row, seed_everything,
+    sequences_from_groups,
+    setup_logging, step_summary, total_train_steps, write_jsonl, write_resolved,
 )
 
 log = logging.getLogger("rlcli")
@@ -60,8 +61,8 @@ class ColocateRunner:
             raise ValueError(f"trainer.train_batch_size={self.cfg.train_batch_size} is smaller than the "
                              f"number of ranks ({world}); every rank needs at least one group")
         self.timer = Timer()
-        self.trackers = self._build_trackers() if self.main else []
-        self.total_steps = self._total_steps()
+        self.trackers = build_trackers(recipe, self.work_dir) if self.main else []
+        self.total_steps = total_train_steps(recipe, env.tokenizer)
         self.worker = TrainWorker(env.model_dir, recipe.model, recipe.train_worker,
                                   recipe.train_worker.loss.build(), device=env.device, dtype=env.dtype,
                                   seed=self.cfg.seed, total_steps=self.total_steps)
@@ -75,6 +76,7 @@ class ColocateRunner:
         if ckpt is not None:
             self._resume(ckpt)
         self.sync_weights(version=self.step)  # the backend serves exactly the trainer's weights
+        freeze_heap()
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
@@ -155,11 +157,7 @@ class ColocateRunner:
         gathered = gather_to_main(groups if n > 0 else [])
         if n <= 0 or not self.main:
             return
-        ranked = sorted((g for part in gathered for g in part), key=lambda g: mean([s.score for s in g.samples]),
-                        reverse=True)
-        chosen = ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
-        write_jsonl(self.work_dir / "rollouts" / f"step-{step}.jsonl",
-                    [{"step": step, **sample_row(s)} for g in chosen for s in g.samples])
+        dump_rollout_groups(self.work_dir, step, [g for part in gathered for g in part], n)
 
     def maybe_save(self, step: int, synced: bool) -> None:
         cfg = self.cfg
@@ -171,7 +169,7 @@ class ColocateRunner:
             with self.timer("hf_export"):
                 self.worker.save_hf(self.work_dir / "hf" / f"step-{step}", self.env.tokenizer)
                 if self.main:
-                    _prune(self.work_dir / "hf", cfg.hf_maxkeep)
+                    prune_step_dirs(self.work_dir / "hf", cfg.hf_maxkeep)
 
     def save_checkpoint(self, step: int) -> None:
         """Collective: DCP shards from every rank, each rank's rollout state gathered into rank 0's file."""
@@ -200,25 +198,6 @@ class ColocateRunner:
             print(f"resumed from {path} (step {self.step})")
 
     # ------------------------------------------------------------------------------ logging
-    def _build_trackers(self):
-        reg = self.recipe._registry or get_registry()
-        names = [t.name for t in self.cfg.exp_tracker]
-        specs = list(self.cfg.exp_tracker)
-        if "jsonl" not in names:
-            from rlcli.config import ComponentSpec
-
-            spec = ComponentSpec(name="jsonl")
-            spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
-            specs.append(spec)
-        return [s.build(work_dir=self.work_dir) for s in specs]
-
-    def _total_steps(self) -> int:
-        if self.cfg.total_train_steps is not None:
-            return self.cfg.total_train_steps
-        n_prompts = sum(len(tc.sampler.build(tokenizer=self.env.tokenizer, task_name=tc.task_name, seed=0))
-                        for tc in self.recipe.tasks)
-        return max(1, n_prompts // self.cfg.train_batch_size * self.cfg.total_epochs)
-
     def log(self, step: int, metrics: dict[str, float], groups=None) -> dict[str, float]:
         """Merge every rank's metrics on rank 0 and hand them to the trackers; returns the merged row."""
         timing = {"timing/rollout_s": 0.0, "timing/train_s": 0.0, "timing/sync_s": 0.0, **self.timer.pop()}
@@ -229,29 +208,14 @@ class ColocateRunner:
         if not self.main:
             return metrics
         metrics = {**merge_metrics(gathered), "time": time.time()}
-        for t in list(self.trackers):
-            try:
-                t.log(step, metrics)
-                for g in (groups or [])[: self.cfg.log_samples_per_step]:
-                    s = g.samples[0]
-                    t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
-                                                f"\n\n**reward** {s.score}")
-            except Exception as exc:  # a tracker must never stop training: drop it and go on
-                log.warning("tracker %s failed and is disabled: %s", type(t).__name__, exc)
-                self.trackers.remove(t)
+        log_to_trackers(self.trackers, step, metrics, groups, self.cfg.log_samples_per_step)
         if step % self.cfg.log_every == 0 and not self.quiet:
             tqdm.write(f"step {step}/{self.total_steps} {self.summary(metrics)}")
         return metrics
 
     @staticmethod
     def summary(m: dict[str, float]) -> str:
-        parts = [f"reward {m.get('reward/mean', float('nan')):.3f}"]
-        if "eval/accuracy" in m:
-            parts.append(f"eval/acc {m['eval/accuracy']:.3f}")
-        if "train/loss" in m:
-            parts.append(f"loss {m['train/loss']:+.4f}")
-        parts.append(f"{m.get('timing/step_s', 0):.2f}s")
-        return " | ".join(parts)
+        return step_summary(m)
 
     def close(self) -> None:
         for t in self.trackers:
@@ -297,14 +261,3 @@ def rank_entry(recipe_path: str, overrides: list[str], work_dir: str | None, qui
         return (str(path), final) if is_main() else None
 
     return _main()
-
-
-def _prune(root: Path, maxkeep: int | None) -> None:
-    import shutil
-
-    if not maxkeep or maxkeep < 0 or not root.exists():
-        return
-    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit()),
-                  key=lambda d: int(d.name[5:]))
-    for d in dirs[:-maxkeep]:
-        shutil.rmtree(d, ignore_errors=True)

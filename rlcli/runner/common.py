@@ -78,7 +78,7 @@ def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
-               "resolved.yaml", "run.log")
+               "resolved.yaml", "run.log", "trained_groups.jsonl")
 
 
 class WorkDirInUse(RuntimeError):
@@ -156,11 +156,13 @@ class Environment:
         if not self.eos_ids:
             raise ValueError(f"the tokenizer of {self.model_dir} defines no EOS token")
 
-    def build_backend(self, version: int = 0) -> InferenceBackend:
+    def build_backend(self, version: int = 0, shard: tuple[int, int] | None = None) -> InferenceBackend:
+        """The recipe's inference backend; ``shard=(index, replicas)`` when not every rank hosts one."""
+        index, replicas = shard if shard is not None else (self.rank, self.world_size)
         ctx = BackendContext(
             model_dir=str(self.model_dir), device=self.device, dtype=self.dtype, eos_token_ids=self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id, seed=self.seed, version=version,
-            rank=self.rank, world_size=self.world_size,
+            rank=index, world_size=replicas,
         )
         return self.recipe.rollout.build(ctx=ctx)
 
@@ -171,16 +173,21 @@ def build_judge_pool(task_cfg: TaskConfig):
     return JudgePool(task_cfg.judger.build())
 
 
-def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, eval_mode: bool = False):
-    """Runtime :class:`Task` objects (and their judge pools) for a list of task configs."""
+def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, eval_mode: bool = False,
+                shard: tuple[int, int] | None = None):
+    """Runtime :class:`Task` objects (and their judge pools) for a list of task configs.
+
+    ``shard=(index, count)``: this process's share of the prompts (default: its rank among all ranks).
+    """
     interval = env.recipe.trainer.sync_weights_interval
+    index, count = shard if shard is not None else (env.rank, env.world_size)
     tasks, pools = [], []
     for tc in task_cfgs:
         pool = build_judge_pool(tc)
         pools.append(pool)
         sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
         if hasattr(sampler, "shard"):
-            sampler.shard(env.rank, env.world_size)  # every rank rolls out distinct prompts
+            sampler.shard(index, count)  # every rank rolls out distinct prompts
         loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,
                                    eos_token_ids=env.eos_ids, seed=env.seed, salt=f"{salt}:{tc.task_name}")
         strategy = tc.produce_strategy.build(sync_weights_interval=interval)
@@ -232,22 +239,32 @@ def sample_row(s: Sample) -> dict[str, Any]:
 
 
 class Evaluator:
-    """Runs the recipe's eval tasks on the same fixed prompts every time and reduces metrics."""
+    """Runs the recipe's eval tasks on the same fixed prompts every time and reduces metrics.
 
-    def __init__(self, env: Environment, backend, *, metrics_cfg=None):
+    ``shard=(index, count)``: the share of the eval prompts this process rolls out (default: its
+    rank among all ranks, i.e. every rank evaluates).
+    """
+
+    def __init__(self, env: Environment, backend, *, metrics_cfg=None, shard: tuple[int, int] | None = None):
         recipe = env.recipe
         self.env = env
         self.eval_cfg = recipe.eval
-        self.tasks, self.pools = build_tasks(env, recipe.eval.tasks, backend, salt="eval", eval_mode=True)
+        self.shard = shard
+        self.tasks, self.pools = build_tasks(env, recipe.eval.tasks, backend, salt="eval", eval_mode=True,
+                                             shard=shard)
         self.metric_components = [m.build() for m in recipe.eval.evaluator.metrics]
         self.backend = backend
 
+    def _shard(self) -> tuple[int, int]:
+        return self.shard if self.shard is not None else (rank(), world_size())
+
     def num_groups(self) -> int:
         """Eval prompts this rank rolls out."""
+        index, count = self._shard()
         total = 0
         for t in self.tasks:
             n = self._num_prompts(t.sampler) or len(t.sampler)
-            total += len(range(rank(), n, world_size()))
+            total += len(range(index, n, count))
         return total
 
     def _num_prompts(self, sampler) -> int | None:
@@ -263,7 +280,7 @@ class Evaluator:
         self.backend.resume()
         samples: list[Sample] = []
         for task in self.tasks:
-            groups = task.sampler.fixed_groups(self._num_prompts(task.sampler), shard=(rank(), world_size()))
+            groups = task.sampler.fixed_groups(self._num_prompts(task.sampler), shard=self._shard())
             for g in groups:  # eval seeds differ per step
                 for s in g:
                     s.tries = step
@@ -276,17 +293,7 @@ class Evaluator:
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         """Evaluator metrics over all ranks' samples (``eval/<task>/...`` when there are several tasks)."""
-        from rlcli.evaluator import evaluate
-
-        out: dict[str, float] = {}
-        names = [t.name for t in self.tasks]
-        for name in names:
-            mine = sorted((s for s in samples if s.task_name == name), key=lambda s: s.uid)
-            prefix = "eval/" if len(names) == 1 else f"eval/{name}/"
-            out.update({prefix + k: v for k, v in evaluate(mine, self.metric_components).items()})
-        if len(names) > 1:
-            out.update({f"eval/{k}": v for k, v in evaluate(samples, self.metric_components).items()})
-        return out
+        return eval_metrics(samples, [t.name for t in self.tasks], self.metric_components)
 
     def pop_judge_stats(self) -> dict[str, float]:
         out: dict[str, float] = {}
@@ -323,3 +330,99 @@ def write_resolved(recipe: Recipe, work_dir: Path) -> None:
 
 def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
+
+
+def eval_metrics(samples: list[Sample], task_names: list[str], components: list) -> dict[str, float]:
+    """Evaluator metrics of the eval tasks ``task_names`` (``eval/<task>/...`` when there are several)."""
+    from rlcli.evaluator import evaluate
+
+    out: dict[str, float] = {}
+    for name in task_names:
+        mine = sorted((s for s in samples if s.task_name == name), key=lambda s: s.uid)
+        prefix = "eval/" if len(task_names) == 1 else f"eval/{name}/"
+        out.update({prefix + k: v for k, v in evaluate(mine, components).items()})
+    if len(task_names) > 1:
+        out.update({f"eval/{k}": v for k, v in evaluate(samples, components).items()})
+    return out
+
+
+# ------------------------------------------------------------------- runner bookkeeping
+def build_trackers(recipe: Recipe, work_dir: Path) -> list:
+    """The recipe's experiment trackers, plus ``jsonl`` (metrics.jsonl) when it is not listed."""
+    reg = recipe._registry or get_registry()
+    names = [t.name for t in recipe.trainer.exp_tracker]
+    specs = list(recipe.trainer.exp_tracker)
+    if "jsonl" not in names:
+        from rlcli.config import ComponentSpec
+
+        spec = ComponentSpec(name="jsonl")
+        spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
+        specs.append(spec)
+    return [s.build(work_dir=work_dir) for s in specs]
+
+
+def total_train_steps(recipe: Recipe, tokenizer) -> int:
+    """``trainer.total_train_steps``, else prompts // train_batch_size × total_epochs (at least 1)."""
+    cfg = recipe.trainer
+    if cfg.total_train_steps is not None:
+        return cfg.total_train_steps
+    n_prompts = sum(len(tc.sampler.build(tokenizer=tokenizer, task_name=tc.task_name, seed=0))
+                    for tc in recipe.tasks)
+    return max(1, n_prompts // cfg.train_batch_size * cfg.total_epochs)
+
+
+def log_to_trackers(trackers: list, step: int, metrics: dict[str, float], groups, samples_per_step: int) -> None:
+    """One row to every tracker (plus a few rollout texts); a tracker that fails is dropped, never fatal."""
+    for t in list(trackers):
+        try:
+            t.log(step, metrics)
+            for g in (groups or [])[:samples_per_step]:
+                s = g.samples[0]
+                t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
+                                            f"\n\n**reward** {s.score}")
+        except Exception as exc:  # a tracker must never stop training: drop it and go on
+            log.warning("tracker %s failed and is disabled: %s", type(t).__name__, exc)
+            trackers.remove(t)
+
+
+def step_summary(m: dict[str, float]) -> str:
+    """The console line of a step: reward, eval accuracy, loss, step time."""
+    parts = [f"reward {m.get('reward/mean', float('nan')):.3f}"]
+    if "eval/accuracy" in m:
+        parts.append(f"eval/acc {m['eval/accuracy']:.3f}")
+    if "train/loss" in m:
+        parts.append(f"loss {m['train/loss']:+.4f}")
+    parts.append(f"{m.get('timing/step_s', 0):.2f}s")
+    return " | ".join(parts)
+
+
+def dump_rollout_groups(work_dir: Path, step: int, groups: list[Group], n: int) -> None:
+    """``rollouts/step-N.jsonl``: half the best and half the worst of ``groups`` by mean reward (``n`` in all)."""
+    if n <= 0:
+        return
+    ranked = sorted(groups, key=lambda g: mean([s.score for s in g.samples]), reverse=True)
+    chosen = ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
+    write_jsonl(work_dir / "rollouts" / f"step-{step}.jsonl",
+                [{"step": step, **sample_row(s)} for g in chosen for s in g.samples])
+
+
+def prune_step_dirs(root: Path, maxkeep: int | None) -> None:
+    """Keep only the newest ``maxkeep`` ``step-N`` directories under ``root`` (None/-1/0: keep all)."""
+    import shutil
+
+    if not maxkeep or maxkeep < 0 or not root.exists():
+        return
+    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit()),
+                  key=lambda d: int(d.name[5:]))
+    for d in dirs[:-maxkeep]:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def freeze_heap() -> None:
+    """Exempt everything built so far (modules, models, tokenizer: ~400k objects) from the cyclic
+    garbage collector. Otherwise each full collection scans them all - about 0.2 s on a small CPU,
+    every few steps - and stalls the event loop that feeds the engine, or the trainer."""
+    import gc
+
+    gc.collect()
+    gc.freeze()

@@ -37,7 +37,8 @@ def broadcast_from_main(obj: Any) -> Any:
     return box[0]
 
 
-def _rule(key: str) -> str:
+def merge_rule(key: str) -> str:
+    """How a metric key is merged across ranks: "first", "sum", "max", "min" or "mean"."""
     if key.startswith("train/") or key.startswith("eval/") or key == "time":
         return "first"
     last = key.rsplit("/", 1)[-1]
@@ -59,7 +60,7 @@ def merge_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         vals = [(m[key], w) for m, w in zip(per_rank, weights) if key in m and isinstance(m[key], (int, float))]
         if not vals:
             continue
-        rule = _rule(key)
+        rule = merge_rule(key)
         if rule == "first":
             out[key] = per_rank[0].get(key, vals[0][0])
         elif rule == "sum":

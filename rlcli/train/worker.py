@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
 from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics, rollout_correction
-from rlcli.dist import barrier, device_mesh, init_distributed, is_main, local_device
+from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
 from rlcli.models import resolve_dtype
 from rlcli.train import checkpoint as ckpt
 from rlcli.train.data import (
@@ -247,15 +247,15 @@ class _Metrics:
             else:
                 self.add_sum(k, v.detach().double() * weight, weight)
 
-    def reduce(self, world_size: int) -> dict[str, float]:
+    def reduce(self, world_size: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         names_mean, names_max, names_min = sorted(self.sums), sorted(self.maxes), sorted(self.mins)
         z = self._zero()
         sums = torch.stack([self.sums[k] for k in names_mean] + [self.weights[k] for k in names_mean] + [z])
         ext = torch.stack([self.maxes[k] for k in names_max] + [-self.mins[k] for k in names_min] + [z])
         if world_size > 1:
             # Every rank added the same names (same loss, same code path), so the layouts agree.
-            dist.all_reduce(sums)
-            dist.all_reduce(ext, op=dist.ReduceOp.MAX)
+            dist.all_reduce(sums, group=group)
+            dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
         s, e = sums.tolist(), ext.tolist()
         n = len(names_mean)
         out = {k: (s[i] / s[n + i] if s[n + i] > 0 else 0.0) for i, k in enumerate(names_mean)}
@@ -273,6 +273,14 @@ class TrainWorker:
     run dtype (FSDP param dtype when ``fsdp.param_dtype`` is auto; default from
     ``model_cfg.dtype``). ``total_steps``: RL steps of the run; the LR schedule spans
     ``total_steps × optimizer_steps`` optimizer steps. Every public method is collective.
+
+    ``process_group``: the ranks this worker trains with (default: every rank of the job). FSDP2
+    shards over exactly these ranks and every reduction, barrier and "rank 0 writes" decision of
+    training, weight export and HF export stays inside the group, so other ranks (e.g. the
+    rollout ranks of a disaggregated run) are free meanwhile. Checkpoints
+    (:meth:`save_checkpoint`, :meth:`load_checkpoint`) remain collective over the whole job:
+    ranks outside the group join them with a stand-in module of their own (as the rollout ranks of
+    ``rlcli.runner.disaggregated`` do).
     """
 
     def __init__(
@@ -286,6 +294,7 @@ class TrainWorker:
         dtype: torch.dtype | None = None,
         seed: int = 0,
         total_steps: int = 1,
+        process_group: dist.ProcessGroup | None = None,
     ):
         from transformers import AutoModelForCausalLM
 
@@ -294,8 +303,13 @@ class TrainWorker:
         self.policy_loss = policy_loss
         self.device = torch.device(device)
         self.rank, self.world_size = init_distributed(self.device)
+        self.group = process_group
+        if process_group is not None:
+            self.rank, self.world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+            if self.rank < 0:
+                raise ValueError("this process is not a member of the TrainWorker's process_group")
         self.device = local_device(self.device)
-        self.mesh = device_mesh(self.device)
+        self.mesh = device_mesh(self.device) if process_group is None else group_mesh(process_group, self.device)
         self.dtype = dtype if dtype is not None else resolve_dtype(getattr(model_cfg, "dtype", "auto"), self.device)
         self.total_optimizer_steps = max(1, total_steps) * cfg.optimizer_steps
         torch.manual_seed(seed)  # the torch generator drives any dropout; saved/restored by checkpoints
@@ -383,7 +397,7 @@ class TrainWorker:
         counts = [len(p) for p in packs]
         if self.world_size > 1:
             t = torch.tensor(counts, dtype=torch.long, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
             counts = t.tolist()
         out = []
         for group_packs, n in zip(packs, counts):
@@ -410,7 +424,7 @@ class TrainWorker:
         if self.world_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.group)
         return t.tolist()
 
     @torch.no_grad()
@@ -555,7 +569,7 @@ class TrainWorker:
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
                 self.scheduler.step()
 
-        red = m.reduce(self.world_size)
+        red = m.reduce(self.world_size, self.group)
         out = finalize_metrics({(name if "/" in name else f"train/{name}"): value for name, value in red.items()})
         out.setdefault("train/entropy", 0.0)
         out.setdefault("train/rollout_logprob_diff", 0.0)
@@ -679,10 +693,10 @@ class TrainWorker:
     def full_state_dict(
         self, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> dict[str, torch.Tensor]:
-        """The whole HF state dict on rank 0 (empty elsewhere). Collective."""
+        """The whole HF state dict on rank 0 of the group (empty elsewhere). Collective."""
         out: dict[str, torch.Tensor] = {}
         for bucket in self.iter_weights(dtype=dtype):
-            if is_main():
+            if self.rank == 0:
                 out.update((n, t.to(device)) for n, t in bucket)
         return out
 
@@ -695,7 +709,7 @@ class TrainWorker:
         out = Path(out_dir)
         dtype = dtype or self.dtype
         state = self.full_state_dict(dtype=dtype)
-        if is_main():
+        if self.rank == 0:
             tmp = out.with_name(out.name + ".tmp")
             shutil.rmtree(tmp, ignore_errors=True)
             config = copy.deepcopy(self.hf_model.config)
@@ -706,6 +720,9 @@ class TrainWorker:
             if self.tied:
                 plain.tie_weights()
             plain.generation_config = copy.deepcopy(self.hf_model.generation_config)
+            # Recent transformers write only on global rank 0 of the job; the writer is rank 0 of this
+            # worker's group (not global rank 0 when other ranks do rollout), and it holds the full state.
+            plain.should_save_on_this_rank = lambda is_main_process=True: bool(is_main_process)
             plain.save_pretrained(str(tmp))
             if tokenizer is not None:
                 save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
@@ -715,7 +732,7 @@ class TrainWorker:
                 os.replace(out, old)
             os.replace(tmp, out)
             shutil.rmtree(old, ignore_errors=True)
-        barrier()
+        barrier(self.group)
         return out
 
     # ---------------------------------------------------------------------- checkpoints

@@ -1,0 +1,400 @@
+"""The disaggregated runner: placements, the weight transport, every mode on real gloo ranks,
+SIGKILL + auto_resume without losing or re-training a buffered group, and failing ranks.
+
+Runs are real ``rlcli train --nproc-per-node N`` subprocesses on the CPU (a few seconds of model
+work each; most of their time is process start-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from rlcli.cli import cli
+from rlcli.config import TRAIN_RESOURCES, ROLLOUT_RESOURCES, resolve_placement
+from rlcli.runner.disaggregated import LEDGER, _truncate_ledger, split_sequences
+from rlcli.runner.transport import pack_bucket, unpack_bucket
+
+RLCLI = [sys.executable, "-m", "rlcli.cli"]
+RECIPE = "quickstart-disaggregated.yaml"
+
+
+# ============================================================================ placements
+@pytest.mark.parametrize("res, world, train, rollout", [
+    ({"train_resources": {"num_workers": 1}, "rollout_resources": {"num_workers": 1}}, 2, [0], [1]),
+    ({"train_resources": {"num_workers": 2}, "rollout_resources": {"num_workers": 1}}, 3, [0, 1], [2]),
+    ({"train_resources": {"ranks": [2, 1]}, "rollout_resources": {"ranks": [0]}}, 3, [1, 2], [0]),
+    ({"train_resources": {"ranks": [1]}, "rollout_resources": {"num_workers": 2}}, 3, [1], [0, 2]),
+    ({"train_resources": {"num_workers": 2}, "rollout_resources": {"ranks": [0]}}, None, [1, 2], [0]),
+])
+def test_placements_resolve(res, world, train, rollout):
+    assert resolve_placement(res, world) == (train, rollout, [])
+
+
+@pytest.mark.parametrize("res, world, path, words", [
+    ({"train_resources": {"ranks": [0, 1]}, "rollout_resources": {"ranks": [1, 2]}}, None, TRAIN_RESOURCES,
+     ["overlap", "[1]"]),
+    ({"train_resources": {"ranks": []}, "rollout_resources": {"num_workers": 1}}, None, TRAIN_RESOURCES + ".ranks",
+     ["empty"]),
+    ({"train_resources": {"num_workers": 1}, "rollout_resources": {"num_workers": 0}}, None,
+     ROLLOUT_RESOURCES + ".num_workers", ["positive"]),
+    ({"train_resources": {"num_workers": 1}}, None, ROLLOUT_RESOURCES, ["required"]),
+    ({"train_resources": {"num_workers": 1, "ranks": [0]}, "rollout_resources": {"num_workers": 1}}, None,
+     TRAIN_RESOURCES, ["exactly one"]),
+    ({"train_resources": {"ranks": [0, 0]}, "rollout_resources": {"num_workers": 1}}, None,
+     TRAIN_RESOURCES + ".ranks", ["more than once"]),
+    ({"train_resources": {"num_workers": 2}, "rollout_resources": {"num_workers": 1}}, 2, ROLLOUT_RESOURCES,
+     ["[2]", "only 2 rank(s) are launched"]),
+    ({"train_resources": {"ranks": [0]}, "rollout_resources": {"ranks": [5]}}, 3, ROLLOUT_RESOURCES,
+     ["[5]", "only 3"]),
+    ({"train_resources": {"num_workers": 1}, "rollout_resources": {"num_workers": 1}}, 3, TRAIN_RESOURCES,
+     ["[2]", "no role"]),
+])
+def test_bad_placements_name_both_fields(res, world, path, words):
+    train, rollout, issues = resolve_placement(res, world)
+    assert (train, rollout) == ([], [])
+    found = {i.path: i.message for i in issues}
+    assert path in found, issues
+    msg = found[path]
+    assert all(w in msg for w in words), msg
+    assert TRAIN_RESOURCES in path + " " + msg and ROLLOUT_RESOURCES in path + " " + msg, msg
+
+
+@pytest.fixture()
+def no_model(monkeypatch):
+    import transformers
+
+    def boom(*a, **k):
+        raise AssertionError("must fail before loading a model")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", boom)
+    monkeypatch.setattr("rlcli.launch.launch", lambda *a, **k: (_ for _ in ()).throw(AssertionError("launched")))
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["resources.train_resources={ranks: [0, 1]}", "resources.rollout_resources={ranks: [1]}"], "overlap"),
+    (["resources.train_resources={ranks: []}"], "is empty"),
+    (["resources.rollout_resources={num_workers: 0}"], "positive"),
+    (["~resources.rollout_resources"], "required"),
+    (["--nproc-per-node", "1"], "only 1 rank(s) are launched"),
+    (["--nproc-per-node", "3"], "no role"),
+    (["--nproc-per-node", "2", "--nnodes", "2"], "no role"),
+    (["resources.train_resources={num_workers: 2}", "--nproc-per-node", "2"], "only 2 rank(s)"),
+])
+def test_validate_rejects_bad_placements(repo, no_model, args, expect):
+    out = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / RECIPE), *args])
+    assert out.exit_code == 2, out.output
+    assert expect in out.output
+    assert TRAIN_RESOURCES in out.output and ROLLOUT_RESOURCES in out.output
+
+
+def test_validate_mode_rules(repo, no_model):
+    ok = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / RECIPE), "--nproc-per-node", "2"])
+    assert ok.exit_code == 0, ok.output
+    out = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / RECIPE), "tasks.0.produce_strategy={name: sync}",
+                                   "trainer.train_batch_size=1", "resources.rollout_resources={num_workers: 2}",
+                                   "--nproc-per-node", "3"])
+    assert out.exit_code == 2, out.output
+    assert "tasks.0.produce_strategy.name" in out.output and "'async'" in out.output
+    colocated = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / "quickstart.yaml"),
+                                         "resources.train_resources={num_workers: 1}"])
+    assert colocated.exit_code == 2 and "only used with trainer.mode=disaggregated" in colocated.output
+    small = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / RECIPE), "trainer.train_batch_size=1",
+                                     "resources.rollout_resources={num_workers: 2}", "--nproc-per-node", "3"])
+    assert small.exit_code == 2 and "trainer.train_batch_size=1" in small.output and ROLLOUT_RESOURCES in small.output
+
+
+def test_train_checks_the_placement_before_launching(repo, tmp_path, no_model):
+    out = CliRunner().invoke(cli, ["train", str(repo / "recipes" / RECIPE), "--work-dir", str(tmp_path / "w"),
+                                   "--nproc-per-node", "3"])
+    assert out.exit_code == 2, out.output
+    assert "no role" in out.output and not (tmp_path / "w").exists()
+
+
+# =============================================================================== helpers
+def test_weight_buckets_round_trip_with_aliases_and_dtypes():
+    emb = torch.randn(7, 3)
+    bucket = [("embed.weight", emb), ("norm.weight", torch.randn(5).to(torch.bfloat16)),
+              ("lm_head.weight", emb), ("pos", torch.arange(3, dtype=torch.int64)), ("scalar", torch.tensor(2.5)),
+              ("empty", torch.zeros(0, 4))]
+    manifest, flat = pack_bucket(bucket, version=7)
+    assert manifest.version == 7 and flat.dtype == torch.uint8
+    distinct = 7 * 3 * 4 + 5 * 2 + 3 * 8 + 4
+    assert distinct <= flat.numel() <= distinct + 64 * 5  # the tied tensor travels once
+    assert all(o % 64 == 0 for o in manifest.offsets)
+    out = unpack_bucket(manifest, flat.clone())
+    assert [n for n, _ in out] == [n for n, _ in bucket]
+    for (_, a), (_, b) in zip(bucket, out):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert out[0][1].data_ptr() == out[2][1].data_ptr()
+
+
+def test_split_sequences_balances_tokens_and_keeps_order():
+    from rlcli.train.data import TrainSequence
+
+    seqs = [TrainSequence(prompt_ids=[1] * p, response_ids=[2] * r, response_mask=[1] * r, rollout_logprobs=None,
+                          advantage=0.0, seq_id=i) for i, (p, r) in enumerate([(9, 9), (1, 1), (5, 5), (2, 2), (3, 6)])]
+    parts = split_sequences(seqs, 2)
+    assert sorted(s.seq_id for p in parts for s in p) == list(range(5))
+    loads = [sum(s.num_tokens for s in p) for p in parts]
+    assert max(loads) - min(loads) <= max(s.num_tokens for s in seqs)
+    for p in parts:
+        assert [s.seq_id for s in p] == sorted(s.seq_id for s in p)
+    assert split_sequences(seqs, 1) == [seqs]
+    assert [len(p) for p in split_sequences(seqs[:1], 3)] == [1, 0, 0]
+
+
+def test_ledger_truncation_drops_later_steps_and_torn_lines(tmp_path):
+    path = tmp_path / LEDGER
+    path.write_text("".join(json.dumps({"step": s, "groups": [["t", s]]}) + "\n" for s in range(1, 7)) + '{"step": 7, "gr')
+    _truncate_ledger(path, 4)
+    assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [1, 2, 3, 4]
+
+
+class _ScriptedRollout:
+    """Train rank 0's view of two rollout ranks that answer from a script (no processes)."""
+
+    def __init__(self, script):
+        self.script, self.log, self.ranks = script, [], [5, 6]
+
+    def __len__(self):
+        return len(self.ranks)
+
+    def send(self, i, msg):
+        self.log.append(("send", i, msg))
+
+    def recv(self, i):
+        self.log.append(("recv", i))
+        return self.script[i].pop(0)
+
+    def pause(self):
+        self.log.append(("pause",))
+
+    def continue_(self, model_step):
+        self.log.append(("continue", model_step))
+
+
+def test_empty_expired_answer_syncs_the_previous_version_and_asks_that_rank_again():
+    # behaviour 31 with two rollout ranks: rank 0 must wait for newer weights, rank 1 already answered
+    from rlcli.runner.common import Timer
+    from rlcli.runner.disaggregated import TrainSide
+    from rlcli.types import Group
+
+    def answer(gid, status="normal"):
+        return {"groups": [Group(gid, "t", [])], "status": status, "metrics": {"rollout/samples": 1.0,
+                                                                              "rollout/tokens": 3.0}}
+
+    expired = {"groups": [], "status": "expired_batch", "metrics": {}}
+    ro = _ScriptedRollout({0: [expired, answer(1, "expired_batch")], 1: [answer(2)]})
+    side = TrainSide.__new__(TrainSide)
+    side.rollout, side.timer = ro, Timer()
+    side._push_weights = lambda version: ro.log.append(("weights", version))
+    batch = side._collect(5)
+    assert ro.log == [("send", 0, ("batch", 5)), ("send", 1, ("batch", 5)), ("recv", 0), ("recv", 1),
+                      ("pause",), ("weights", 4), ("continue", 4),
+                      ("send", 0, ("batch", 5)), ("recv", 0)]
+    assert [g.group_id for g in batch.groups] == [1, 2]  # in rollout-rank order, nothing asked twice
+    assert batch.expired  # rank 0's producer still waits: the step ends with a sync
+    assert batch.metrics["sync/expired_retries"] == 1 and batch.metrics["rollout/tokens"] == 6
+    assert batch.metrics["timing/wait_for_batch_s"] >= 0
+
+
+# ================================================================================ runs
+MODES = {
+    # name: (overrides, stale_threshold = (max_staleness + 1) * sync_weights_interval, ranks)
+    "on_policy_lockstep": ([
+        "tasks.0.produce_strategy={name: async, over_sample_threshold: 0, max_staleness: 0}",
+        "trainer.sync_weights_interval=1", "trainer.evaluate_step=5"], 1, 2),
+    "stream_off_policy": ([
+        "tasks.0.produce_strategy={name: async, over_sample_threshold: 0, max_staleness: 0}",
+        "trainer.sync_weights_interval=2", "trainer.evaluate_step=2"], 2, 2),
+    "async_stale": ([
+        "tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5, max_staleness: 1, "
+        "tail_batch_trigger_size: 0, tail_batch_max_tries: 3}",
+        "trainer.sync_weights_interval=1", "trainer.evaluate_step=5",
+        "resources.train_resources={ranks: [1, 2]}", "resources.rollout_resources={ranks: [0]}"], 2, 3),
+    "async_partial_rollout": ([
+        "tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5, max_staleness: 1, "
+        "enable_partial_rollout: true, tail_batch_trigger_size: 0}",
+        "trainer.sync_weights_interval=2", "trainer.evaluate_step=2",
+        "resources.train_resources={num_workers: 1}", "resources.rollout_resources={num_workers: 2}"], 4, 3),
+}
+
+
+def train_args(repo: Path, work: Path, ranks: int, steps: int, *overrides: str) -> list[str]:
+    return [*RLCLI, "train", str(repo / "recipes" / RECIPE), "--work-dir", str(work), "--quiet",
+            "--nproc-per-node", str(ranks), f"trainer.total_train_steps={steps}", "trainer.train_batch_size=20",
+            "eval.evaluator.sample_num=20", "trainer.enable_initial_evaluate=false", "trainer.checkpoint_interval=-1",
+            "trainer.exp_tracker=[{name: jsonl}]", *overrides]
+
+
+def run(args: list[str], timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A run in its own session: whatever happens, none of its processes outlives the test."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        _kill_session(proc)
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _live_members(pgid: int) -> list[int]:
+    """Processes of process group ``pgid`` still running (zombies waiting to be reaped do not count)."""
+    alive = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            alive.append(int(entry.name))
+    return alive
+
+
+def rows(work: Path) -> list[dict]:
+    return [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+
+
+def ledger(work: Path) -> list[dict]:
+    return [json.loads(x) for x in (work / LEDGER).read_text().splitlines()]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_each_mode_runs_five_steps_within_its_staleness_bound(repo, tmp_path, mode):
+    overrides, threshold, ranks = MODES[mode]
+    work = tmp_path / mode
+    r = run(train_args(repo, work, ranks, 5, *overrides))
+    assert r.returncode == 0, r.stderr[-4000:]
+    steps = rows(work)
+    assert [x["step"] for x in steps] == [1, 2, 3, 4, 5]
+    interval = 2 if "trainer.sync_weights_interval=2" in overrides else 1
+    for x in steps:
+        # every trained sample is within the bound, and the producer never ran further ahead than it allows
+        assert 0 <= x["rollout/staleness_max"] <= threshold - 1, (x["step"], x["rollout/staleness_max"])
+        assert x["rollout/producer_lead_steps"] <= threshold - 1, x
+        assert x["rollout/groups"] == 20 and x["train/sequences"] == 160
+        for key in ("timing/wait_for_batch_s", "timing/rollout_idle_s", "timing/train_s", "timing/step_s",
+                    "reward/mean", "train/loss", "rollout/staleness_mean"):
+            assert key in x, key
+        if x["step"] % interval == 0 or x["step"] == 5:  # a sync step
+            assert x["sync/synced"] == 1 and x["sync/bytes"] > 0 and x["sync/weights_s"] > 0
+    if threshold == 1:
+        assert all(x["rollout/staleness_max"] == 0 for x in steps)  # on-policy: every sample from policy t-1
+    assert "eval/accuracy" in steps[-1]
+    trained = [tuple(g) for row in ledger(work) for g in row["groups"]]
+    assert [row["step"] for row in ledger(work)] == [1, 2, 3, 4, 5]
+    assert len(trained) == len(set(trained)) == 100
+    assert (work / "hf" / "step-5" / "config.json").exists()
+
+
+def _group_ids(manager_state: dict) -> list[tuple[str, int]]:
+    return [(e["task"], e["group"]["group_id"]) for e in manager_state["buffer"]["entries"]]
+
+
+@pytest.mark.slow
+def test_sigkill_then_auto_resume_loses_and_repeats_no_buffered_group(repo, tmp_path):
+    overrides = [
+        "tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5, max_staleness: 1, "
+        "enable_partial_rollout: true, tail_batch_trigger_size: 0}",
+        "trainer.sync_weights_interval=2", "trainer.evaluate_step=4", "trainer.checkpoint_interval=4",
+        "trainer.checkpoint_maxkeep=-1", "trainer.auto_resume=true",
+        "resources.train_resources={num_workers: 1}", "resources.rollout_resources={num_workers: 2}"]
+    work = tmp_path / "run"
+    args = train_args(repo, work, 3, 12, *overrides)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        # kill mid-run: after the step-4 checkpoint, once step 6 has been trained (it is trained again on resume)
+        while not ((work / "checkpoints" / "step-4" / "COMPLETE").exists() and (work / LEDGER).exists()
+                   and any(json.loads(x).get("step") == 6 for x in (work / LEDGER).read_text().splitlines()
+                           if x.endswith("}"))):
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "no step 6 in time"
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        _kill_session(proc)
+    assert not (work / "checkpoints" / "step-12").exists(), "the run finished before the kill; the test proves nothing"
+    saved = torch.load(work / "checkpoints" / "step-4" / "extra_state.pt", weights_only=False)
+    assert saved["step"] == 4 and len(saved["managers"]) == 2
+    buffered_at_kill = {g for m in saved["managers"] for g in _group_ids(m)}
+    assert buffered_at_kill, "nothing was buffered at the checkpoint; the test proves nothing"
+
+    r = run(args)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert [x["step"] for x in rows(work)] == list(range(1, 13))
+    book = ledger(work)
+    assert [row["step"] for row in book] == list(range(1, 13))
+    trained = [tuple(g) for row in book for g in row["groups"]]
+    assert len(trained) == len(set(trained)) == 12 * 20, "a group was trained twice"
+    final = torch.load(work / "checkpoints" / "step-12" / "extra_state.pt", weights_only=False)
+    buffered = {g for m in final["managers"] for g in _group_ids(m)}
+    sampled = set()
+    n = len(final["managers"])
+    for i, m in enumerate(final["managers"]):
+        assert m["buffer"]["discarded_expired"] == 0
+        sampled |= {("arith", k * n + i) for k in range(m["samplers"]["arith"]["groups_sampled"])}
+    # conservation: every group ever sampled was trained exactly once or is still in a buffer
+    assert not set(trained) & buffered
+    assert set(trained) | buffered == sampled
+    trained_after = {tuple(g) for row in book if row["step"] > 4 for g in row["groups"]}
+    assert buffered_at_kill <= trained_after | buffered  # the checkpoint's buffered groups survived the kill
+
+
+@pytest.mark.parametrize("side, overrides, expect", [
+    ("rollout", ["tasks.0.sampler.prompt_repeat_k=1", "tasks.0.group_filters=[{name: all_equal_rewards}]",
+                 "tasks.0.produce_strategy.max_filtered_groups=5"], "filtered out"),
+    ("train", ["train_worker.pack_max_length=2"], "more than pack_max_length=2"),
+])
+def test_a_failing_rank_ends_the_run_with_its_traceback(repo, tmp_path, side, overrides, expect):
+    work = tmp_path / side
+    t0 = time.time()
+    proc = subprocess.Popen(train_args(repo, work, 2, 5, *overrides), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=150)
+        time.sleep(0.5)
+        left = _live_members(proc.pid)
+    finally:
+        _kill_session(proc)
+    assert proc.returncode == 1, err[-4000:]
+    assert "training failed" in err and expect in err and "Traceback" in err, err[-4000:]
+    failed_rank = "rollout rank 1 failed" if side == "rollout" else "rank 0"
+    assert failed_rank in err, err[-4000:]
+    assert time.time() - t0 < 120
+    assert not left, f"rank processes {left} outlived the failed run"
+
+
+@pytest.mark.slow
+def test_quickstart_disaggregated_learns(repo, tmp_path):
+    work = tmp_path / "qs"
+    r = run([*RLCLI, "train", str(repo / "recipes" / RECIPE), "--work-dir", str(work), "--quiet",
+             "--nproc-per-node", "2"], timeout=400)
+    assert r.returncode == 0, r.stderr[-4000:]
+    evals = {x["step"]: x["eval/accuracy"] for x in rows(work) if "eval/accuracy" in x}
+    assert evals[0] <= 0.3 and max(evals) == 300 and evals[300] >= 0.9, evals
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == ["step-200", "step-300"]
+    assert all(x["rollout/staleness_max"] <= 1 for x in rows(work)[1:])
