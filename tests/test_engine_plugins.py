@@ -1,6 +1,6 @@
 """Cross-plugin checks of the engine plugins (rlcli-vllm, rlcli-sglang, rlcli-lmdeploy).
 
-* The three plugins ship one runtime (``_runtime.py``): the copies must stay identical.
+* The three plugins share one runtime (``rlcli.backends.engine_runtime``).
 * Installed plugins register through the ``rlcli`` entry points with their distribution, version
   and the engine's install state, and ``rlcli validate`` names the exact install line.
 * The runtime's state machine (engine thread, pause with partial results, gate while asleep or
@@ -12,8 +12,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import importlib.util
-import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from pydantic import Field
 
+from rlcli.backends import engine_runtime as runtime
 from rlcli.backends.base import GenerateRequest
 from rlcli.component import ComponentConfig
 from rlcli.testing import backend_conformance as bc
@@ -30,30 +31,6 @@ from rlcli.types import SampleParams
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = {"vllm": "rlcli-vllm", "sglang": "rlcli-sglang", "lmdeploy": "rlcli-lmdeploy"}
 ENGINE_VERSIONS = {"vllm": "0.26.0", "sglang": "0.5.17", "lmdeploy": "0.18.0"}
-
-
-def _runtime_paths() -> dict[str, Path]:
-    return {e: REPO / "plugins" / d / f"rlcli_{e}" / "_runtime.py" for e, d in PLUGINS.items()}
-
-
-def _load_runtime():
-    """The runtime module from the vLLM plugin's source tree (installed or not)."""
-    path = _runtime_paths()["vllm"]
-    spec = importlib.util.spec_from_file_location("rlcli_engine_runtime_under_test", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-runtime = _load_runtime()
-
-
-def test_the_runtime_copies_are_identical():
-    texts = {e: p.read_text() for e, p in _runtime_paths().items()}
-    first = texts["vllm"]
-    drifted = [e for e, t in texts.items() if t != first]
-    assert not drifted, f"_runtime.py differs in {drifted}: copy plugins/rlcli-vllm/rlcli_vllm/_runtime.py over them"
 
 
 @pytest.mark.parametrize("engine", sorted(PLUGINS))

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlcli.types import SampleParams
-from rlcli_lmdeploy._runtime import EnginePackage
+from rlcli.backends.engine_runtime import EnginePackage
 
 ENGINE = EnginePackage(
     label="LMDeploy",

@@ -12,7 +12,7 @@ from pydantic import Field
 
 from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
-from rlcli_sglang._runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_sglang.logic import (
     ENGINE,
     check_engine_kwargs,

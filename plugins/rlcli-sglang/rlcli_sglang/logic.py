@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlcli.types import SampleParams
-from rlcli_sglang._runtime import EnginePackage
+from rlcli.backends.engine_runtime import EnginePackage
 
 ENGINE = EnginePackage(
     label="SGLang", distribution="sglang", module="sglang", tested="0.5.17", minimum="0.5.17", plugin="rlcli-sglang"

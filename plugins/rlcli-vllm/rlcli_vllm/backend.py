@@ -15,7 +15,7 @@ from pydantic import Field
 from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
-from rlcli_vllm._runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_vllm.logic import (
     ENGINE,
     check_engine_kwargs,

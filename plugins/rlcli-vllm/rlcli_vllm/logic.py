@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from rlcli.types import SampleParams
-from rlcli_vllm._runtime import EnginePackage
+from rlcli.backends.engine_runtime import EnginePackage
 
 ENGINE = EnginePackage(
     label="vLLM", distribution="vllm", module="vllm", tested="0.26.0", minimum="0.26.0", plugin="rlcli-vllm"

@@ -1,8 +1,5 @@
-"""The engine-independent half of rlcli's engine plugins (rlcli-vllm, rlcli-sglang, rlcli-lmdeploy).
-
-Every engine plugin ships an identical copy of this module, so that each stays a separately
-installable package that depends on ``rlcli`` alone; ``tests/test_engine_plugins.py`` in the rlcli
-repository fails when the copies drift apart.
+"""The engine-independent half of an inference-engine plugin (rlcli-vllm, rlcli-sglang,
+rlcli-lmdeploy, or a third party's): subclass :class:`EngineBackend` and fill in the engine hooks.
 
 :class:`EngineBackend` implements the parts of the :mod:`rlcli.backends.base` contract that do not
 depend on the engine, once for all engines:
