@@ -8,12 +8,12 @@ Face directory, so a from-scratch model is first written to ``<work_dir>/model-i
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from rlcli.fsutil import publish_dir
 from rlcli.tokenizer import BUILTIN_PREFIX, load_tokenizer, save_tokenizer
 
 _ARCH_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
@@ -60,9 +60,7 @@ def build_from_scratch(arch: str, spec: dict, tokenizer, seed: int, out_dir: str
     model.save_pretrained(str(tmp))
     builtin = getattr(tokenizer, "_rlcli_builtin", None)
     save_tokenizer(tokenizer, tmp, builtin=builtin)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+    return publish_dir(tmp, out)
 
 
 def prepare_model_dir(model_cfg, work_dir: str | Path, seed: int) -> Path:

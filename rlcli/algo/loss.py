@@ -196,7 +196,7 @@ class GSPOPolicyLoss(PolicyLoss):
         clipped = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         loss = torch.where(mask, torch.maximum(-adv * ratio, -adv * clipped), 0.0)
         with torch.no_grad():
-            r, lr = ratio.detach(), log_ratio.detach()
+            r = ratio.detach()
             low = (r < 1.0 - cfg.clip_low).float()
             high = (r > 1.0 + cfg.clip_high).float()
             tok_lr = (logp.detach() - old_logp).clamp(cfg.log_prob_diff_min, cfg.log_prob_diff_max)

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlcli.dist import barrier, is_main, rank, world_size
 from rlcli.faults import fault_point
+from rlcli.fsutil import publish_dir
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -174,12 +175,7 @@ def save_checkpoint(
     barrier()
     if is_main():
         _fsync_write(tmp / COMPLETE, "")
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        publish_dir(tmp, path)
     barrier()
     return path
 

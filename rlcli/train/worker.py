@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import re
 import shutil
 import time
@@ -62,6 +61,7 @@ from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
 from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics, rollout_correction
 from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
+from rlcli.fsutil import publish_dir
 from rlcli.models import resolve_dtype
 from rlcli.train import checkpoint as ckpt
 from rlcli.train.data import (
@@ -726,12 +726,7 @@ class TrainWorker:
             plain.save_pretrained(str(tmp))
             if tokenizer is not None:
                 save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
-            old = out.with_name(out.name + ".old")
-            if out.exists():
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
+            publish_dir(tmp, out)
         barrier(self.group)
         return out
 
