@@ -62,6 +62,11 @@ _SEED_MASK = 0x7FFFFFFFFFFFFFFF  # engines take seeds as signed 64-bit integers
 # ------------------------------------------------------------------------------------------
 # Engine package status (for check_config and `rlcli plugins`)
 # ------------------------------------------------------------------------------------------
+def managed_kwarg_issues(extra: Any, managed: dict[str, str]) -> list[tuple[str, str]]:
+    """``engine_kwargs`` keys that the plugin sets itself (the user may not override them)."""
+    return [("engine_kwargs", f"{key!r} is set by the plugin ({managed[key]})") for key in extra if key in managed]
+
+
 @dataclass(frozen=True)
 class EnginePackage:
     """The engine a plugin drives: its distribution, import name, tested version and install line."""
@@ -381,9 +386,26 @@ class EngineBackend(InferenceBackend, abc.ABC):
     """
 
     engine: ClassVar[EnginePackage]
+    managed_engine_kwargs: ClassVar[dict[str, str]] = {}  # engine kwargs the plugin sets itself -> why
     requires_cuda: ClassVar[bool] = True
     startup_timeout_s: ClassVar[float | None] = None  # engine start-up can take minutes (compilation)
     shutdown_timeout_s: ClassVar[float] = 120.0
+
+    @classmethod
+    def check_config(cls, cfg) -> list[tuple[str, str]]:
+        """``rlcli validate``: the engine must be importable, ``engine_kwargs`` must not override
+        what the plugin sets itself, plus :meth:`extra_config_issues`."""
+        issues = []
+        problem = cls.engine.problem()
+        if problem is not None:
+            issues.append(("name", problem))
+        issues += managed_kwarg_issues(getattr(cfg, "engine_kwargs", {}) or {}, cls.managed_engine_kwargs)
+        return issues + cls.extra_config_issues(cfg)
+
+    @classmethod
+    def extra_config_issues(cls, cfg) -> list[tuple[str, str]]:
+        """Engine-specific option checks (``(field, message)`` pairs); none by default."""
+        return []
 
     def __init__(self, config, ctx: BackendContext):
         super().__init__(config, ctx)

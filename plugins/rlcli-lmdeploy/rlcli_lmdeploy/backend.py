@@ -16,8 +16,8 @@ from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
 from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_lmdeploy.logic import (
+    MANAGED_ENGINE_KWARGS,
     ENGINE,
-    check_engine_kwargs,
     engine_config_kwargs,
     finish_from_status,
     generation_kwargs,
@@ -51,6 +51,7 @@ on the plugin's engine thread; requests go in as token ids through ``EngineInsta
 class LMDeployBackend(EngineBackend):
     name: ClassVar[str] = "lmdeploy"
     engine = ENGINE
+    managed_engine_kwargs = MANAGED_ENGINE_KWARGS
 
     class Config(ComponentConfig):
         cache_max_entry_count: float = Field(
@@ -78,16 +79,6 @@ class LMDeployBackend(EngineBackend):
             description="More lmdeploy.PytorchEngineConfig fields, passed through as they are (e.g. block_size, "
             "max_prefill_token_num). Keys the plugin sets itself are refused.",
         )
-
-    @classmethod
-    def check_config(cls, cfg: "LMDeployBackend.Config") -> list[tuple[str, str]]:
-        """``rlcli validate``: the engine must be importable; options must be supported."""
-        issues = []
-        problem = ENGINE.problem()
-        if problem is not None:
-            issues.append(("name", problem))
-        issues += check_engine_kwargs(cfg.engine_kwargs)
-        return issues
 
     def __init__(self, config: "LMDeployBackend.Config | None", ctx: BackendContext):
         if ctx.world_size > 1:

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EnginePackage
+from rlcli.backends.engine_runtime import EnginePackage, managed_kwarg_issues
 
 ENGINE = EnginePackage(
     label="LMDeploy",
@@ -88,11 +88,8 @@ def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype) -> dict[str, Any]:
 
 
 def check_engine_kwargs(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
-    return [
-        ("engine_kwargs", f"{key!r} is set by the plugin ({MANAGED_ENGINE_KWARGS[key]})")
-        for key in extra
-        if key in MANAGED_ENGINE_KWARGS
-    ]
+    """``engine_kwargs`` keys the plugin sets itself."""
+    return managed_kwarg_issues(extra, MANAGED_ENGINE_KWARGS)
 
 
 def generation_kwargs(

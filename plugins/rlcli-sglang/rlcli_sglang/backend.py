@@ -14,8 +14,8 @@ from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_sglang.logic import (
+    MANAGED_ENGINE_KWARGS,
     ENGINE,
-    check_engine_kwargs,
     engine_kwargs,
     finish_reason,
     first_stop,
@@ -53,6 +53,7 @@ ids (``skip_tokenizer_init``) straight to the tokenizer manager's ``generate_req
 class SGLangBackend(EngineBackend):
     name: ClassVar[str] = "sglang"
     engine = ENGINE
+    managed_engine_kwargs = MANAGED_ENGINE_KWARGS
     idle_timeout_s: ClassVar[float] = 120.0
 
     class Config(ComponentConfig):
@@ -85,16 +86,6 @@ class SGLangBackend(EngineBackend):
             description="More SGLang ServerArgs, passed through as they are (e.g. attention_backend, "
             "disable_radix_cache, sampling_backend). Keys the plugin sets itself are refused.",
         )
-
-    @classmethod
-    def check_config(cls, cfg: "SGLangBackend.Config") -> list[tuple[str, str]]:
-        """``rlcli validate``: the engine must be importable; options must be supported."""
-        issues = []
-        problem = ENGINE.problem()
-        if problem is not None:
-            issues.append(("name", problem))
-        issues += check_engine_kwargs(cfg.engine_kwargs)
-        return issues
 
     def __init__(self, config: "SGLangBackend.Config | None", ctx: BackendContext):
         self._sgl: Any = None

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EnginePackage
+from rlcli.backends.engine_runtime import EnginePackage, managed_kwarg_issues
 
 ENGINE = EnginePackage(
     label="SGLang", distribution="sglang", module="sglang", tested="0.5.17", minimum="0.5.17", plugin="rlcli-sglang"
@@ -89,11 +89,8 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
 
 
 def check_engine_kwargs(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
-    return [
-        ("engine_kwargs", f"{key!r} is set by the plugin ({MANAGED_ENGINE_KWARGS[key]})")
-        for key in extra
-        if key in MANAGED_ENGINE_KWARGS
-    ]
+    """``engine_kwargs`` keys the plugin sets itself."""
+    return managed_kwarg_issues(extra, MANAGED_ENGINE_KWARGS)
 
 
 @dataclass(frozen=True)

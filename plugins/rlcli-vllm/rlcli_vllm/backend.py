@@ -17,8 +17,8 @@ from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
 from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_vllm.logic import (
+    MANAGED_ENGINE_KWARGS,
     ENGINE,
-    check_engine_kwargs,
     engine_kwargs,
     finish_reason,
     logprob_caveat,
@@ -81,6 +81,7 @@ def _keep_default_process_group(keep: bool):
 class VLLMBackend(EngineBackend):
     name: ClassVar[str] = "vllm"
     engine = ENGINE
+    managed_engine_kwargs = MANAGED_ENGINE_KWARGS
 
     class Config(ComponentConfig):
         gpu_memory_utilization: float = Field(
@@ -128,21 +129,10 @@ class VLLMBackend(EngineBackend):
         )
 
     @classmethod
-    def check_config(cls, cfg: "VLLMBackend.Config") -> list[tuple[str, str]]:
-        """``rlcli validate``: the engine must be importable; options must be supported."""
-        issues = []
-        problem = ENGINE.problem()
-        if problem is not None:
-            issues.append(("name", problem))
+    def extra_config_issues(cls, cfg: "VLLMBackend.Config") -> list[tuple[str, str]]:
         if cfg.tensor_parallel_size != 1:
-            issues.append(
-                (
-                    "tensor_parallel_size",
-                    "rlcli-vllm 0.1 runs vLLM in process on one GPU; tensor_parallel_size must be 1",
-                )
-            )
-        issues += check_engine_kwargs(cfg.engine_kwargs)
-        return issues
+            return [("tensor_parallel_size", "rlcli-vllm 0.1 runs vLLM in process on one GPU; tensor_parallel_size must be 1")]
+        return []
 
     def __init__(self, config: "VLLMBackend.Config | None", ctx: BackendContext):
         if ctx.world_size > 1:

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EnginePackage
+from rlcli.backends.engine_runtime import EnginePackage, managed_kwarg_issues
 
 ENGINE = EnginePackage(
     label="vLLM", distribution="vllm", module="vllm", tested="0.26.0", minimum="0.26.0", plugin="rlcli-vllm"
@@ -97,12 +97,10 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int) ->
 def check_engine_kwargs(extra: dict[str, Any], known: set[str] | None = None) -> list[tuple[str, str]]:
     """Problems with ``engine_kwargs``: keys the plugin manages, and (when ``known``, the
     ``EngineArgs`` field names, is given) keys vLLM does not have."""
-    issues = []
-    for key in extra:
-        if key in MANAGED_ENGINE_KWARGS:
-            issues.append(("engine_kwargs", f"{key!r} is set by the plugin ({MANAGED_ENGINE_KWARGS[key]})"))
-        elif known is not None and key not in known:
-            issues.append(("engine_kwargs", f"{key!r} is not a vllm.EngineArgs field"))
+    issues = managed_kwarg_issues(extra, MANAGED_ENGINE_KWARGS)
+    if known is not None:
+        issues += [("engine_kwargs", f"{key!r} is not a vllm.EngineArgs field")
+                   for key in extra if key not in known and key not in MANAGED_ENGINE_KWARGS]
     return issues
 
 
