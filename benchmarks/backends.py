@@ -287,28 +287,13 @@ def bare(engine: str, backend, prompts: list[list[int]]) -> float:
 # Section "run": throughput, then 3 GRPO steps through ColocateRunner
 # ------------------------------------------------------------------------------------------
 def section_run(engine: str, root: Path) -> None:
-    from rlcli import hookimpl
     from rlcli.config import validate_recipe
-    from rlcli.judgers.base import Judger
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
 
-    class LengthMod7(Judger):
-        """Benchmark reward: response length mod 7 (as the TRL baseline)."""
-
-        name = "bench_len_mod7"
-
-        def judge(self, response, label, sample):
-            return float(len(response) % 7)
-
-    class Plugin:
-        @hookimpl
-        def register_judgers(self):
-            return [LengthMod7]
-
-    registry = registry_with(Plugin())
+    registry = registry_with(gs.BenchPlugin())
     if engine not in registry.names("inference_backend"):  # the plugin is not pip-installed: register it here
-        registry = registry_with(Plugin(), importlib.import_module(PLUGIN_MODULES[engine]))
+        registry = registry_with(gs.BenchPlugin(), importlib.import_module(PLUGIN_MODULES[engine]))
     model_dir = gs.make_model_dir((root / "model").resolve()) if not (root / "model" / "config.json").exists() \
         else root / "model"
     data = gs.write_prompts(root / "prompts.jsonl", gs.PROMPTS * (GRPO_STEPS + 2))

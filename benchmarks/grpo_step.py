@@ -141,25 +141,28 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None
 
 
+class BenchPlugin:
+    """Registers the benchmark judger: reward = response length mod 7 (as the TRL baseline)."""
+
+    def __init__(self):
+        from rlcli import hookimpl
+        from rlcli.judgers.base import Judger
+
+        class LengthMod7(Judger):
+            """Benchmark reward: response length mod 7 (as the TRL baseline)."""
+
+            name = "bench_len_mod7"
+
+            def judge(self, response, label, sample):
+                return float(len(response) % 7)
+
+        self.register_judgers = hookimpl(lambda: [LengthMod7])
+
+
 def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float) -> None:
-    from rlcli import hookimpl
     from rlcli.config import validate_recipe
-    from rlcli.judgers.base import Judger
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
-
-    class LengthMod7(Judger):
-        """Benchmark reward: response length mod 7 (as the TRL baseline)."""
-
-        name = "bench_len_mod7"
-
-        def judge(self, response, label, sample):
-            return float(len(response) % 7)
-
-    class Plugin:
-        @hookimpl
-        def register_judgers(self):
-            return [LengthMod7]
 
     raw = {
         "model": {"path": str(model_dir), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
@@ -174,7 +177,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
                        "max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}},
                    "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
     }
-    rec = validate_recipe(raw, registry=registry_with(Plugin()))
+    rec = validate_recipe(raw, registry=registry_with(BenchPlugin()))
     runner = ColocateRunner(rec, quiet=True, overwrite=True)
     rows = []
     orig_log = runner.log
