@@ -20,7 +20,7 @@ from rlcli.manager import RolloutManager
 from rlcli.models import resolve_device
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.common import (
-    Environment, Evaluator, Timer, build_tasks, build_trackers, default_work_dir, dump_rollout_groups,
+    Environment, Evaluator, Timer, best_and_worst, build_tasks, build_trackers, default_work_dir, dump_rollout_groups,
     freeze_heap, log_to_trackers, mean, prepare_work_dir, prune_step_dirs, sample_row, seed_everything,
     sequences_from_groups,
     setup_logging, step_summary, total_train_steps, write_jsonl, write_resolved,
@@ -154,8 +154,10 @@ class ColocateRunner:
     def dump_rollouts(self, step: int, groups) -> None:
         """A bounded sample of the step's rollouts: half the best groups and half the worst, by mean reward."""
         n = self.cfg.dump_rollout_groups
-        gathered = gather_to_main(groups if n > 0 else [])
-        if n <= 0 or not self.main:
+        if n <= 0:
+            return
+        gathered = gather_to_main(best_and_worst(groups, n))  # each rank sends only its candidates
+        if not self.main:
             return
         dump_rollout_groups(self.work_dir, step, [g for part in gathered for g in part], n)
 

@@ -396,14 +396,18 @@ def step_summary(m: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+def best_and_worst(groups: list[Group], n: int) -> list[Group]:
+    """Half the best and half the worst of ``groups`` by mean reward (``n`` in all)."""
+    ranked = sorted(groups, key=lambda g: mean([s.score for s in g.samples]), reverse=True)
+    return ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
+
+
 def dump_rollout_groups(work_dir: Path, step: int, groups: list[Group], n: int) -> None:
-    """``rollouts/step-N.jsonl``: half the best and half the worst of ``groups`` by mean reward (``n`` in all)."""
+    """``rollouts/step-N.jsonl``: :func:`best_and_worst` of ``groups``."""
     if n <= 0:
         return
-    ranked = sorted(groups, key=lambda g: mean([s.score for s in g.samples]), reverse=True)
-    chosen = ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
     write_jsonl(work_dir / "rollouts" / f"step-{step}.jsonl",
-                [{"step": step, **sample_row(s)} for g in chosen for s in g.samples])
+                [{"step": step, **sample_row(s)} for g in best_and_worst(groups, n) for s in g.samples])
 
 
 def prune_step_dirs(root: Path, maxkeep: int | None) -> None:
