@@ -77,21 +77,17 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     """
     rec = _load(recipe, overrides)
     from rlcli.launch import LaunchSpec, RankFailed, launch
-    from rlcli.runner import colocate
+    from rlcli.runner import rank_entry, run
     from rlcli.runner.common import WorkDirInUse
 
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     disaggregated = rec.trainer.mode == "disaggregated"
-    rank_entry = colocate.rank_entry
     if disaggregated:  # one launch, split into train and rollout ranks: check the split before any rank starts
-        from rlcli.runner import disaggregated as disagg
-
         _check_launch(recipe, rec, spec.world_size)
-        rank_entry = disagg.rank_entry
     try:
         spec.check()
         if spec.world_size == 1 and not disaggregated:
-            path, final = colocate.run_training(rec, work_dir, quiet=quiet, overwrite=overwrite)
+            path, final = run(rec, work_dir, quiet=quiet, overwrite=overwrite)
         else:
             results = launch(spec, rank_entry, recipe, list(overrides), work_dir, quiet, overwrite)
             main_result = results.get(0)

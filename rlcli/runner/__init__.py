@@ -1,0 +1,38 @@
+"""Runners: ``colocate`` (rollout and training take turns on the same ranks) and
+``disaggregated`` (separate rollout and train ranks), chosen by ``trainer.mode``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlcli.config import Recipe
+
+
+def run(recipe: Recipe, work_dir: str | Path | None, *, quiet: bool = False,
+        overwrite: bool = False) -> tuple[Path, dict[str, float]]:
+    """Train with the runner of ``recipe.trainer.mode`` on this rank; returns the work dir and the
+    last step's metrics."""
+    if recipe.trainer.mode == "disaggregated":
+        from rlcli.runner.disaggregated import run_disaggregated
+
+        return run_disaggregated(recipe, work_dir, quiet=quiet, overwrite=overwrite)
+    from rlcli.runner.colocate import run_training
+
+    return run_training(recipe, work_dir, quiet=quiet, overwrite=overwrite)
+
+
+def rank_entry(recipe_path: str, overrides: list[str], work_dir: str | None, quiet: bool,
+               overwrite: bool) -> tuple[str, dict[str, float]] | None:
+    """What each launched rank runs (module level so that spawned processes can import it);
+    returns the work dir and final metrics on rank 0, None elsewhere."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from rlcli.config import load_recipe
+    from rlcli.dist import is_main
+
+    @record
+    def _main():
+        path, final = run(load_recipe(recipe_path, overrides), work_dir, quiet=quiet, overwrite=overwrite)
+        return (str(path), final) if is_main() else None
+
+    return _main()

@@ -245,21 +245,3 @@ def run_training(recipe: Recipe, work_dir: str | Path | None, *, quiet: bool = F
         return runner.work_dir, runner.fit()
     finally:
         runner.close()
-
-
-def rank_entry(recipe_path: str, overrides: list[str], work_dir: str | None, quiet: bool,
-               overwrite: bool) -> tuple[str, dict[str, float]] | None:
-    """What each launched rank runs (module level so that spawned processes can import it)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from rlcli.config import load_recipe
-
-    @record
-    def _main():
-        recipe = load_recipe(recipe_path, overrides)
-        path, final = run_training(recipe, work_dir, quiet=quiet, overwrite=overwrite)
-        from rlcli.dist import is_main
-
-        return (str(path), final) if is_main() else None
-
-    return _main()

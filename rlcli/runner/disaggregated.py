@@ -703,19 +703,3 @@ def run_disaggregated(recipe: Recipe, work_dir: str | Path | None = None, *, qui
         side.close(graceful=ok)
     path, final = broadcast(result, boot.placement.train0, None)
     return Path(path), final
-
-
-def rank_entry(recipe_path: str, overrides: list[str], work_dir: str | None, quiet: bool,
-               overwrite: bool) -> tuple[str, dict[str, float]] | None:
-    """What each launched rank runs (module level so that spawned processes can import it)."""
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from rlcli.config import load_recipe
-
-    @record
-    def _main():
-        recipe = load_recipe(recipe_path, overrides)
-        path, final = run_disaggregated(recipe, work_dir, quiet=quiet, overwrite=overwrite)
-        return (str(path), final) if dist.get_rank() == 0 else None
-
-    return _main()
