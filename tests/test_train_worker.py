@@ -548,7 +548,8 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    noise = ("Loading weights", "Writing model shards")
+    assert proc.returncode == 0, "\n".join(l for l in proc.stderr.splitlines() if not l.startswith(noise))[-4000:]
     got = torch.load(out, weights_only=False)
 
     w = make_worker(model_dir, pack_max_length=24)
