@@ -17,6 +17,7 @@ from rlcli.backends.embedded import (
     LlamaFamilyModel,
     counter_uniform,
     filter_top_k_top_p,
+    sample_plain,
     seed_keys,
 )
 from rlcli.testing.backend_conformance import default_context, make_tiny_model_dirs, reference_logprobs
@@ -226,7 +227,12 @@ def test_decode_shape_buckets(model_dir):
     assert eng._decode_shape(3, 5) == (4, 128)
     assert eng._decode_shape(32, 128) == (32, 128)
     assert eng._decode_shape(33, 129) == (64, 256)
+    assert eng._decode_shape(33, 257) == (64, 300)  # 384, capped by max_model_len
     assert eng._decode_shape(97, 290) == (100, 300)  # capped by max_batch_size / max_model_len
+    eng.max_batch_size, eng.max_model_len = 512, 8192
+    assert eng._decode_shape(512, 321) == (512, 384)
+    assert eng._decode_shape(400, 1025) == (416, 1536)
+    assert eng._decode_shape(1, 4097) == (1, 8192)
 
 
 def test_max_model_len_limits(model_dir):
@@ -459,3 +465,61 @@ def test_registered_through_the_plugin_registry():
 
     assert get_registry().get("inference_backend", "embedded") is EmbeddedBackend
     assert registry_with().get("inference_backend", "embedded") is EmbeddedBackend
+
+
+def _plain_and_mixed(backend, n=10):
+    """Outputs of a batch of plain sampling requests (the fused sampler), then of a batch mixing
+    greedy, top-p and plain rows (the general path)."""
+    rng = random.Random(21)
+    ps = prompts(n, rng)
+    plain = [req(p, seed=i, max_tokens=12, temperature=0.8) for i, p in enumerate(ps)]
+    mixed = [req(p, seed=i, max_tokens=12, temperature=0.0 if i % 3 == 0 else 1.0, top_p=0.9 if i % 2 else 1.0)
+             for i, p in enumerate(ps)]
+    return run_all(backend, plain) + run_all(backend, mixed)
+
+
+def test_compiled_decode_and_sampler_match_eager(model_dir):
+    """`compile: true` (the CUDA default) runs the decoder layers and the sampler through
+    torch.compile (here its CPU backend): same tokens, same logprobs as eager PyTorch."""
+    eager = _plain_and_mixed(make(model_dir, compile=False))
+    be = make(model_dir, compile=True)
+    got = _plain_and_mixed(be)
+    assert be._model._layer_fn != be._model._decode_layer  # still compiled: no fallback happened
+    assert be.engine._sample_plain is not sample_plain
+    for a, b in zip(eager, got):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_failed_compilation_falls_back_to_eager(model_dir, monkeypatch, caplog):
+    def broken_compile(fn, **kw):
+        def run(*args, **kwargs):
+            raise RuntimeError("no compiler here")
+        return run
+
+    eager = _plain_and_mixed(make(model_dir, compile=False))
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    be = make(model_dir, compile=True)
+    with caplog.at_level("WARNING"):
+        got = _plain_and_mixed(be)
+    assert [o.token_ids for o in got] == [o.token_ids for o in eager]
+    assert be._model._layer_fn == be._model._decode_layer
+    assert be.engine._sample_plain is sample_plain
+    assert "decoding eagerly" in caplog.text and "sampling eagerly" in caplog.text
+
+
+@pytest.mark.parametrize("temperature", [None, 0.7])
+def test_sample_plain_is_the_inverse_cdf_draw_with_exact_logprobs(temperature):
+    """The fused plain sampler draws the same token as the general path's inverse CDF and returns
+    the token's log-softmax under the temperature-scaled logits."""
+    from rlcli.backends.embedded import sample_tokens
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 997, generator=g) * 3
+    u = torch.rand(64, generator=g) * (1 - 2**-20)
+    temp = None if temperature is None else torch.full((64,), temperature)
+    tok, lp = sample_plain(logits.bfloat16(), temp, u)
+    scaled = logits.bfloat16().float() / (temperature or 1.0)
+    assert torch.equal(tok, sample_tokens(scaled, u))
+    ref = torch.log_softmax(scaled, dim=-1).gather(1, tok[:, None]).squeeze(1)
+    assert torch.allclose(lp, ref, atol=1e-5)

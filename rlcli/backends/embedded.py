@@ -161,6 +161,26 @@ def sample_tokens(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     return tok.clamp_(max=scores.shape[-1] - 1)
 
 
+def sample_plain(
+    logits: torch.Tensor, temperature: torch.Tensor | None, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token and its logprob per row of ``softmax(logits / temperature)``, no filtering.
+
+    The same draw as :func:`sample_tokens` (inverse CDF at ``uniform``) with the log-normaliser
+    taken from the same pass (``max + log(sum)``), as plain tensor math that ``torch.compile``
+    fuses into a few passes over the logits. ``logits`` may be half precision (upcast here).
+    """
+    x = logits.float()
+    if temperature is not None:
+        x = x / temperature.unsqueeze(1)
+    m = x.amax(dim=-1, keepdim=True)
+    cum = (x - m).exp().cumsum(dim=-1)
+    total = cum[:, -1:]
+    tok = torch.searchsorted(cum, uniform.unsqueeze(1) * total, right=True).clamp_(max=x.shape[-1] - 1)
+    logprob = x.gather(1, tok) - m - total.log()
+    return tok.squeeze(1), logprob.squeeze(1)
+
+
 # ------------------------------------------------------------------------------------------
 # Model
 # ------------------------------------------------------------------------------------------
@@ -230,6 +250,7 @@ class LlamaFamilyModel:
         self.num_kv_heads = attn0.k_proj.out_features // self.head_dim
         self.vocab_size = int(self.lm_head.out_features)
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+        self._layer_fn = self._decode_layer  # torch.compile'd by compile_decode()
         self.layers: list[_Layer] = []
         for layer in base.layers:
             attn = layer.self_attn
@@ -354,7 +375,7 @@ class LlamaFamilyModel:
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int, allow_cudnn: bool = False
     ) -> torch.Tensor:
-        """One token for each of cache rows ``0..n-1``; returns float32 logits ``[n, V]``.
+        """One token for each of cache rows ``0..n-1``; returns logits ``[n, V]`` in the model dtype.
 
         Row ``i`` feeds ``tokens[i]`` at ``positions[i]``, writes its key/value there and
         attends to cache positions ``0..positions[i]`` (keys beyond are masked; ``key_len`` must
@@ -364,12 +385,24 @@ class LlamaFamilyModel:
         shape repeats, as under CUDA-graph replay).
         """
         with _attention_backends(tokens.device, allow_cudnn):
-            return self._decode(tokens, positions, cache, key_len)
+            try:
+                return self._decode(tokens, positions, cache, key_len)
+            except Exception:
+                if self._layer_fn == self._decode_layer:
+                    raise
+                log.warning("torch.compile of the decode step failed; decoding eagerly from now on", exc_info=True)
+                self._layer_fn = self._decode_layer
+                return self._decode(tokens, positions, cache, key_len)
+
+    def compile_decode(self) -> None:
+        """Run each decoder layer of :meth:`decode` through ``torch.compile``, which fuses its norms,
+        rotary embedding, cache write, residual adds and activation into a few kernels. One
+        compilation (dynamic shapes) serves every layer, batch size and key length; the first
+        decode step pays it."""
+        self._layer_fn = torch.compile(self._decode_layer, dynamic=True)
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int) -> torch.Tensor:
         n = tokens.shape[0]
-        hd, kvh = self.head_dim, self.num_kv_heads
-        group = self.num_heads // kvh
         h = self.embed(tokens)  # [n, D]
         cos, sin = self.rotary(h, positions.unsqueeze(1))  # [n, 1, hd]
         key_pos = torch.arange(key_len, device=tokens.device)
@@ -377,21 +410,34 @@ class LlamaFamilyModel:
         masks: dict[int | None, torch.Tensor] = {None: visible.view(n, 1, 1, key_len)}
         rows = torch.arange(n, device=tokens.device)
         for i, layer in enumerate(self.layers):
-            x = layer.input_norm(h)
-            q, k, v = self._qkv(layer, x, (n,))
-            q = _rope(q, cos, sin)  # [n, H, hd]
-            k = _rope(k, cos, sin)  # [n, KVH, hd]
-            keys, values = cache.write_decode(i, rows, positions, k, v, key_len)
             mask = masks.get(layer.window)
             if mask is None:
                 win = visible & (key_pos[None, :] > positions[:, None] - layer.window)
                 mask = masks[layer.window] = win.view(n, 1, 1, key_len)
-            attn = F.scaled_dot_product_attention(
-                q.view(n, kvh, group, hd), keys, values, attn_mask=mask, scale=layer.scale
-            )
-            h = h + layer.o_proj(attn.reshape(n, self.num_heads * hd))
-            h = h + layer.mlp(layer.post_norm(h))
-        return self.lm_head(self.final_norm(h)).float()
+            h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, mask)
+        return self.lm_head(self.final_norm(h))
+
+    def _decode_layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                      mask: torch.Tensor) -> torch.Tensor:
+        """One decoder layer for one new token per row: writes its key/value into the cache at
+        ``positions`` and attends to the cache's first ``mask.shape[-1]`` positions."""
+        n = h.shape[0]
+        hd, kvh = self.head_dim, self.num_kv_heads
+        group = self.num_heads // kvh
+        key_len = mask.shape[-1]
+        x = layer.input_norm(h)
+        q, k, v = self._qkv(layer, x, (n,))
+        q = _rope(q, cos, sin)  # [n, H, hd]
+        k = _rope(k, cos, sin)  # [n, KVH, hd]
+        k_cache[rows, :, positions] = k.to(k_cache.dtype)
+        v_cache[rows, :, positions] = v.to(v_cache.dtype)
+        keys, values = k_cache[:n, :, :key_len], v_cache[:n, :, :key_len]
+        if keys.dtype != q.dtype:
+            keys, values = keys.to(q.dtype), values.to(q.dtype)
+        attn = F.scaled_dot_product_attention(q.view(n, kvh, group, hd), keys, values, attn_mask=mask, scale=layer.scale)
+        h = h + layer.o_proj(attn.reshape(n, self.num_heads * hd))
+        return h + layer.mlp(layer.post_norm(h))
 
 
 # ------------------------------------------------------------------------------------------
@@ -437,17 +483,6 @@ class KVCache:
         self.k[layer][dest_rows, :, :length] = k[src_index].to(self.dtype)
         self.v[layer][dest_rows, :, :length] = v[src_index].to(self.dtype)
 
-    def write_decode(self, layer: int, rows, positions, k: torch.Tensor, v: torch.Tensor, key_len: int):
-        """Store one key/value per row at its position; return the ``[:n, :, :key_len]`` views."""
-        kc, vc = self.k[layer], self.v[layer]
-        kc[rows, :, positions] = k.to(self.dtype)
-        vc[rows, :, positions] = v.to(self.dtype)
-        n = k.shape[0]
-        keys, values = kc[:n, :, :key_len], vc[:n, :, :key_len]
-        if keys.dtype != k.dtype:
-            keys, values = keys.to(k.dtype), values.to(k.dtype)
-        return keys, values
-
     def move_rows(self, dst: torch.Tensor, src: torch.Tensor, length: int) -> None:
         """Copy rows ``src`` into rows ``dst`` (positions ``0..length-1``), every layer."""
         if length <= 0:
@@ -475,7 +510,7 @@ class CudaGraphDecoder:
         dev = model.device
         self._tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
         self._positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self._logits = torch.zeros(max_rows, model.vocab_size, dtype=torch.float32, device=dev)
+        self._logits = torch.zeros(max_rows, model.vocab_size, dtype=model.dtype, device=dev)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         # one side stream for every warm-up and capture: libraries keep per-stream workspaces
@@ -509,7 +544,7 @@ class CudaGraphDecoder:
         stream = self._stream
         current = torch.cuda.current_stream(self.model.device)
         stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):  # also where torch.compile (re)compiles: never inside a capture
             self._forward(rows, key_len)
         current.wait_stream(stream)
         if self._pool is None:
@@ -637,6 +672,22 @@ class EmbeddedEngine:
         self._done: list[tuple[Sequence, GenerateOutput]] = []
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size)
+        self._sample_plain = sample_plain
+
+    def compile_sampler(self) -> None:
+        """Run the plain-sampling path through ``torch.compile`` (fused passes over the logits);
+        a failed compilation falls back to eager PyTorch for good."""
+        compiled = torch.compile(sample_plain, dynamic=True)
+
+        def sample(*args):
+            try:
+                return compiled(*args)
+            except Exception:
+                log.warning("torch.compile of the sampler failed; sampling eagerly from now on", exc_info=True)
+                self._sample_plain = sample_plain
+                return sample_plain(*args)
+
+        self._sample_plain = sample
 
     # -------------------------------------------------------------------------- state
     @property
@@ -863,13 +914,19 @@ class EmbeddedEngine:
         """Rows and key length the decode forward runs on.
 
         Shape-stable mode (CUDA graphs) pads the rows to 1, 2, 4, ..., 32 and then multiples of
-        32, and the key length to a power of two (at least 128): few distinct shapes, so few
-        graphs. Otherwise on CUDA only the key length is rounded up to a multiple of 128 (some
-        attention kernels build a plan per shape); on CPU shapes are exact.
+        32, and the key length to a multiple of 128 up to 1024, of 512 up to 4096, then a power of
+        two: few distinct shapes, so few graphs, and little attention over padding. Otherwise on
+        CUDA only the key length is rounded up to a multiple of 128 (some attention kernels build
+        a plan per shape); on CPU shapes are exact.
         """
         if self.shape_stable_decode:
             rows = 1 << (active - 1).bit_length() if active <= 32 else -(-active // 32) * 32
-            keys = max(128, 1 << (key_len - 1).bit_length())
+            if key_len <= 1024:
+                keys = -(-key_len // 128) * 128
+            elif key_len <= 4096:
+                keys = -(-key_len // 512) * 512
+            else:
+                keys = 1 << (key_len - 1).bit_length()
         else:
             rows = active
             keys = -(-key_len // 128) * 128 if self.device.type == "cuda" else key_len
@@ -905,34 +962,25 @@ class EmbeddedEngine:
         return b
 
     # -------------------------------------------------------------------------- sampling
-    def _sample_and_record(self, logits: torch.Tensor, rows: torch.Tensor, rows_np: np.ndarray) -> np.ndarray:
-        """Choose the next token of ``rows`` from ``logits``, append it (with its logprob and the
-        current version) to the rows' output buffers, and return host booleans "is a stop
-        token". The only device-to-host transfer of a step."""
-        ints = self._ints[rows]
-        floats = self._floats[rows]
-        if np.all(self._h_temp[rows_np] == 1.0):
-            scaled = logits
-        else:
-            scaled = logits / floats[:, _TEMP].unsqueeze(1)
-        lse = torch.logsumexp(scaled, dim=-1)
-        stop_tab = self._stop_tab[rows]
-        has_stop = ints[:, _HAS_STOP] == 1
+    def _sample_general(self, logits, ints, floats, unit_temp, stop_tab, has_stop, suppress_np, greedy_np,
+                        top_k_np, use_top_p) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampling with min-token stop suppression, greedy rows and top-k / top-p filtering.
 
+        The logprob is that of the chosen token under the temperature-scaled distribution before
+        any filtering (what the trainer recomputes)."""
+        scaled = logits.float()
+        if not unit_temp:
+            scaled = scaled / floats[:, _TEMP].unsqueeze(1)
+        lse = torch.logsumexp(scaled, dim=-1)
         choice = scaled
-        gen_np = self._h_gen[rows_np]
-        if np.any((gen_np < self._h_min_new[rows_np]) & self._h_has_stop[rows_np]):
+        if suppress_np.any():
             suppress = (ints[:, _GEN] < ints[:, _MIN_NEW]) & has_stop
             current = choice.gather(1, stop_tab)
             choice = choice.scatter(1, stop_tab, current.masked_fill(suppress[:, None], float("-inf")))
-
-        greedy_np = self._h_greedy[rows_np]
         if greedy_np.all():
             tok = choice.argmax(dim=-1)
         else:
             filtered = choice
-            top_k_np, top_p_np = self._h_top_k[rows_np], self._h_top_p[rows_np]
-            use_top_p = bool(np.any(top_p_np < 1.0))
             if use_top_p or np.any(top_k_np > 0):
                 filtered = filter_top_k_top_p(
                     choice, ints[:, _TOP_K], floats[:, _TOP_P], use_top_p=use_top_p, max_top_k=int(top_k_np.max())
@@ -941,7 +989,29 @@ class EmbeddedEngine:
             tok = sample_tokens(filtered, uniform)
             if greedy_np.any():
                 tok = torch.where(ints[:, _GREEDY] == 1, choice.argmax(dim=-1), tok)
-        logprob = scaled.gather(1, tok[:, None]).squeeze(1) - lse
+        return tok, scaled.gather(1, tok[:, None]).squeeze(1) - lse
+
+    def _sample_and_record(self, logits: torch.Tensor, rows: torch.Tensor, rows_np: np.ndarray) -> np.ndarray:
+        """Choose the next token of ``rows`` from ``logits``, append it (with its logprob and the
+        current version) to the rows' output buffers, and return host booleans "is a stop
+        token". The only device-to-host transfer of a step."""
+        ints = self._ints[rows]
+        floats = self._floats[rows]
+        unit_temp = bool(np.all(self._h_temp[rows_np] == 1.0))
+        stop_tab = self._stop_tab[rows]
+        has_stop = ints[:, _HAS_STOP] == 1
+        gen_np = self._h_gen[rows_np]
+        suppress_np = (gen_np < self._h_min_new[rows_np]) & self._h_has_stop[rows_np]
+        greedy_np = self._h_greedy[rows_np]
+        top_k_np, top_p_np = self._h_top_k[rows_np], self._h_top_p[rows_np]
+        use_top_p = bool(np.any(top_p_np < 1.0))
+        if not (suppress_np.any() or greedy_np.any() or use_top_p or np.any(top_k_np > 0)):
+            # the common RL case: plain sampling at some temperature, one fused pass
+            uniform = counter_uniform(ints[:, _KEY1], ints[:, _KEY2], ints[:, _CTX])
+            tok, logprob = self._sample_plain(logits, None if unit_temp else floats[:, _TEMP], uniform)
+        else:
+            tok, logprob = self._sample_general(logits, ints, floats, unit_temp, stop_tab, has_stop, suppress_np,
+                                                greedy_np, top_k_np, use_top_p)
 
         gen = ints[:, _GEN]
         self._out_tok[rows, gen] = tok
@@ -1083,6 +1153,12 @@ class EmbeddedBackend(InferenceBackend):
         kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
             "auto", description="KV-cache dtype; auto = the model dtype."
         )
+        compile: bool | None = Field(
+            None,
+            description="torch.compile each decoder layer's decode step and the sampler (fuses their small "
+            "operations; the first step pays a compilation of some seconds; a failed compilation falls back to "
+            "eager PyTorch with a warning). Default (null): on for CUDA, off on CPU.",
+        )
 
     def __init__(self, config: "EmbeddedBackend.Config | None", ctx: BackendContext):
         super().__init__(config, ctx)
@@ -1109,6 +1185,9 @@ class EmbeddedBackend(InferenceBackend):
             version=ctx.version,
             shape_stable_decode=cfg.cuda_graphs and self._device.type == "cuda",
         )
+        if cfg.compile if cfg.compile is not None else self._device.type == "cuda":
+            self._model.compile_decode()
+            self._engine.compile_sampler()
         self._lock = threading.Lock()
         self._paused = False
         self._asleep = 0
@@ -1271,7 +1350,9 @@ class EmbeddedBackend(InferenceBackend):
     def sleep(self, level: int = 1) -> None:
         """Release device memory: the KV cache (level 1) and also the weights (level 2, moved to
         CPU memory). Requests still in flight are aborted; requests made while asleep wait for
-        :meth:`wake_up`. On CPU the weights stay where they are."""
+        :meth:`wake_up`. On CPU the weights stay where they are. Level 1 leaves the freed memory
+        in PyTorch's caching allocator, where a trainer in the same process reuses it at no cost;
+        level 2 also returns cached memory to the driver (for other processes)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         with self._lock:
@@ -1282,7 +1363,8 @@ class EmbeddedBackend(InferenceBackend):
                 self._model.hf.to("cpu")
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
-                _release_cuda_workspaces()
+                if level == 2:  # level 1 leaves freed memory in torch's cache, where a colocated trainer reuses it
+                    _release_cuda_workspaces()
             self._asleep = max(self._asleep, level)
         self._deliver(done)
 

@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from rlcli.config import Recipe
@@ -78,6 +79,15 @@ class ColocateRunner:
         self.sync_weights(version=self.step)  # the backend serves exactly the trainer's weights
         freeze_heap()
 
+    def peak_memory_gib(self) -> float | None:
+        """Peak device memory allocated by this process since the last call (GiB); None on CPU."""
+        dev = self.env.device
+        if dev.type != "cuda":
+            return None
+        peak = torch.cuda.max_memory_allocated(dev) / 2**30
+        torch.cuda.reset_peak_memory_stats(dev)
+        return round(peak, 3)
+
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         last: dict[str, float] = {}
@@ -91,10 +101,14 @@ class ColocateRunner:
             with self.timer("rollout"), self.bar(f"rollout {step}", self.local_batch, "group") as tick:
                 # sampler -> agent loop -> backend -> judger -> produce strategy -> replay buffer
                 batch = self.run(self.manager.produce_batch(self.local_batch, step, self.model_step(step), tick))
+            rollout_peak = self.peak_memory_gib()
             self.backend.sleep()  # colocated: give the KV cache back for training
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
                 seqs, adv = sequences_from_groups(batch.groups, self.estimator)
                 metrics = {**batch.metrics, **self.worker.train_step(seqs), "advantage/mean": mean(adv)}
+            if rollout_peak is not None:
+                metrics["memory/rollout_peak_gib"] = rollout_peak
+                metrics["memory/train_peak_gib"] = self.peak_memory_gib()
             self.step = step
             synced = step % self.cfg.sync_weights_interval == 0 or step == self.total_steps
             if synced:

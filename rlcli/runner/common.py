@@ -122,7 +122,8 @@ class Timer:
     def __call__(self, name: str):
         t0 = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"rlcli/{name}"):  # a named range in profiler traces
+                yield
         finally:
             self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
 

@@ -41,6 +41,7 @@ resumed run reads the same weights from the same directory.
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import re
 import shutil
@@ -76,6 +77,8 @@ from rlcli.train.data import (
 )
 from rlcli.train.lr import build_scheduler
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from rlcli.algo.loss import PolicyLoss
     from rlcli.config import ModelConfig, TrainWorkerConfig
@@ -85,11 +88,77 @@ DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 # ------------------------------------------------------------------ chunked logprob/entropy
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  inv_temp: torch.Tensor | None) -> torch.Tensor:
-    """float32 ``(hidden @ W.T + b) / T`` of one chunk (the matmul runs in the weight dtype)."""
-    logits = F.linear(hidden, weight, bias).float()
-    return logits.mul_(inv_temp.unsqueeze(1)) if inv_temp is not None else logits
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``hidden @ W.T + b`` of one chunk, in the weight dtype (the softmax math upcasts)."""
+    return F.linear(hidden, weight, bias)
+
+
+def _softmax_stats(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None,
+                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """float32 ``(lse, logprob of label, entropy)`` of ``softmax(logits * inv_temp)``, per row.
+
+    Written as plain tensor math over the whole row so that ``torch.compile`` turns it into two
+    passes over the (half-precision) logits: a max, then exp/sum/dot. Entropy uses
+    ``H = log s - sum(e * y) / s`` with ``y = x - max``, ``e = exp(y)``, ``s = sum(e)``.
+    """
+    x = logits.float()
+    if inv_temp is not None:
+        x = x * inv_temp.unsqueeze(1)
+    y = x - x.amax(dim=-1, keepdim=True)
+    e = y.exp()
+    s = e.sum(dim=-1)
+    log_s = s.log()
+    lse = x.amax(dim=-1) + log_s
+    logp = y.gather(1, labels.unsqueeze(1)).squeeze(1) - log_s
+    ent = log_s - (e * y).sum(dim=-1) / s if with_entropy else None
+    return lse, logp, ent
+
+
+def _dlogits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Tensor,
+             inv_temp: torch.Tensor | None) -> torch.Tensor:
+    """``d(g * logp[label]) / d logits = g * (onehot(label) - softmax) * inv_temp`` in the logits dtype.
+
+    ``g``: float32 ``[n]`` upstream gradient, already multiplied by ``inv_temp``. One pointwise pass.
+    """
+    x = logits.float()
+    if inv_temp is not None:
+        x = x * inv_temp.unsqueeze(1)
+    p = (x - lse.unsqueeze(1)).exp()
+    cols = torch.arange(x.shape[1], device=x.device)
+    onehot = (cols.unsqueeze(0) == labels.unsqueeze(1)).to(x.dtype)
+    return ((onehot - p) * g.unsqueeze(1)).to(logits.dtype)
+
+
+class _FusedMath:
+    """The chunk math above, compiled once per process on CUDA (``torch.compile``), eager elsewhere.
+
+    A failed compilation (no working Triton, say) falls back to eager for good, with a warning.
+    """
+
+    def __init__(self) -> None:
+        self.compiled: dict[str, Any] = {}
+        self.broken = False
+
+    def get(self, name: str, fn, device: torch.device, enabled: bool):
+        if not enabled or device.type != "cuda" or self.broken:
+            return fn
+        if name not in self.compiled:
+            self.compiled[name] = torch.compile(fn, dynamic=True)
+        return self.compiled[name]
+
+    def call(self, name: str, fn, device: torch.device, enabled: bool, *args):
+        f = self.get(name, fn, device, enabled)
+        if f is fn:
+            return fn(*args)
+        try:
+            return f(*args)
+        except Exception:  # compilation is an optimisation: never let it fail a step
+            log.warning("torch.compile of the logprob math failed; using eager PyTorch", exc_info=True)
+            self.broken = True
+            return fn(*args)
+
+
+_FUSED = _FusedMath()
 
 
 _MM_OUT_DTYPE: bool | None = None  # whether torch.addmm(..., out_dtype=) works here (recent CUDA builds)
@@ -114,22 +183,24 @@ class _ChunkedLogprob(torch.autograd.Function):
     """logprob of ``labels`` (and entropy) under ``softmax((hidden @ W.T + b) / T)``, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_temp, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, bias, labels, inv_temp, chunk_size, with_entropy, fused):
         n = hidden.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
         logp, lse_all = torch.empty(n, **f32), torch.empty(n, **f32)
         ent = torch.empty(n if with_entropy else 0, **f32)
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
-            logits = _chunk_logits(hidden[s:e], weight, bias, None if inv_temp is None else inv_temp[s:e])
-            lse = torch.logsumexp(logits, dim=-1)
+            logits = _chunk_logits(hidden[s:e], weight, bias)
+            it = None if inv_temp is None else inv_temp[s:e]
+            lse, lp, en = _FUSED.call("stats", _softmax_stats, hidden.device, fused, logits, labels[s:e], it,
+                                      with_entropy)
             lse_all[s:e] = lse
-            logp[s:e] = logits.gather(1, labels[s:e].unsqueeze(1)).squeeze(1) - lse
+            logp[s:e] = lp
             if with_entropy:
-                logprobs = logits.sub_(lse.unsqueeze(1))  # in place: the chunk's logits are done with
-                ent[s:e] = -(logprobs.exp().mul_(logprobs)).sum(-1)
+                ent[s:e] = en
         ctx.save_for_backward(hidden, weight, bias, labels, inv_temp, lse_all)
         ctx.chunk_size = chunk_size
+        ctx.fused = fused
         ctx.mark_non_differentiable(ent)
         return logp, ent
 
@@ -145,24 +216,23 @@ class _ChunkedLogprob(torch.autograd.Function):
         for s in range(0, n, ctx.chunk_size):
             e = min(n, s + ctx.chunk_size)
             it = None if inv_temp is None else inv_temp[s:e]
-            logits = _chunk_logits(hidden[s:e], weight, bias, it)
-            # d logp / d logits = (onehot(label) - softmax) / T, built in place in the logits buffer.
+            logits = _chunk_logits(hidden[s:e], weight, bias)
             g = grad_logp[s:e].float()
             if it is not None:
                 g = g * it
-            dlogits = logits.sub_(lse_all[s:e].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
-            dlogits.scatter_add_(1, labels[s:e].unsqueeze(1), g.unsqueeze(1))
-            dl = dlogits.to(weight.dtype)
+            dl = _FUSED.call("dlogits", _dlogits, hidden.device, ctx.fused, logits, lse_all[s:e], labels[s:e], g, it)
+            del logits
             if need_h:
                 grad_h[s:e] = dl @ weight
             if need_w:
                 grad_w = _add_outer(grad_w, dl, hidden[s:e].to(weight.dtype))
             if grad_b is not None:
-                grad_b += dlogits.sum(0).to(acc)
+                grad_b += dl.sum(0, dtype=acc)
         return (
             grad_h,
             grad_w.to(weight.dtype) if grad_w is not None else None,
             grad_b.to(bias.dtype) if grad_b is not None else None,
+            None,
             None,
             None,
             None,
@@ -178,27 +248,31 @@ def chunked_logprobs(
     inv_temperature: torch.Tensor | None,
     chunk_size: int,
     with_entropy: bool = True,
+    fused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row ``(logprob of label, entropy)`` of ``softmax((hidden @ W.T + b) * inv_temperature)``.
 
     ``hidden``: ``[N, h]``; ``labels``, ``inv_temperature``: ``[N]`` (None: temperature 1).
     float32 softmax math, at most ``chunk_size`` rows of logits at a time, also in backward (which
     recomputes each chunk from the saved log-normaliser). Entropy carries no gradient; with
-    ``with_entropy=False`` it is skipped (an empty tensor is returned).
+    ``with_entropy=False`` it is skipped (an empty tensor is returned). ``fused``: on CUDA, run the
+    per-chunk softmax math through ``torch.compile`` (a couple of fused passes over the logits
+    instead of a dozen eager ones).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     it = inv_temperature.float() if inv_temperature is not None else None
-    return _ChunkedLogprob.apply(hidden, weight, bias, labels, it, chunk_size, with_entropy)
+    return _ChunkedLogprob.apply(hidden, weight, bias, labels, it, chunk_size, with_entropy, fused)
 
 
 class PolicyModel(nn.Module):
     """Wraps an HF causal LM so that one FSDP2 root forward returns label logprobs and entropies."""
 
-    def __init__(self, lm: nn.Module, chunk_size: int):
+    def __init__(self, lm: nn.Module, chunk_size: int, fused: bool = True):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.fused = fused
 
     def forward(self, input_ids, position_ids, label_index, labels, inv_temperature, with_entropy: bool = True):
         decoder = self.lm.get_decoder()
@@ -206,7 +280,7 @@ class PolicyModel(nn.Module):
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, label_index)
         head = self.lm.get_output_embeddings()
         return chunked_logprobs(hidden, head.weight, head.bias, labels, inv_temperature, self.chunk_size,
-                                with_entropy)
+                                with_entropy, self.fused)
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -327,7 +401,7 @@ class TrainWorker:
                 self.hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.model = PolicyModel(self.hf_model, cfg.logprob_chunk_size)
+        self.model = PolicyModel(self.hf_model, cfg.logprob_chunk_size, cfg.fused_logprob)
         self._shard(self.model, cpu_offload=cfg.fsdp.cpu_offload)
         self.model.train()
 
@@ -384,7 +458,7 @@ class TrainWorker:
                 lm = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.param_dtype)
             lm.config.use_cache = False
             lm.requires_grad_(False)
-            ref = PolicyModel(lm, self.cfg.logprob_chunk_size)
+            ref = PolicyModel(lm, self.cfg.logprob_chunk_size, self.cfg.fused_logprob)
             self._shard(ref, cpu_offload=self.cfg.kl.ref_offload)
             ref.eval()
             self.ref_model = ref
