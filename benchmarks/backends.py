@@ -154,7 +154,8 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
         cls, dtype, options = mod.VLLMBackend, torch.float32, fp32_options
         settings = dict(gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512)
     elif engine == "sglang":
-        cls, dtype, options = mod.SGLangBackend, torch.float32, fp32_options
+        # bf16: SGLang 0.5.17's fused RMSNorm (sgl-kernel) has no float32 path; the plugin refuses float32
+        cls, dtype, options = mod.SGLangBackend, torch.bfloat16, bf16_options
         settings = dict(mem_fraction_static=0.25, max_model_len=512)
     else:
         cls, dtype, options = mod.LMDeployBackend, torch.bfloat16, bf16_options

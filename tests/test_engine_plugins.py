@@ -77,7 +77,8 @@ def test_validate_names_the_install_line_when_the_engine_is_missing(engine):
     assert f'pip install "{PLUGINS[engine]}[engine]"' in out.output
     assert f"{engine}=={ENGINE_VERSIONS[engine]}" in out.output
     assert "resources.device: " in out.output and "runs on CUDA GPUs" in out.output  # the quickstart runs on CPU
-    assert ("model.dtype: " in out.output) == (engine == "lmdeploy")  # float32: LMDeploy serves bf16/fp16 only
+    # float32: LMDeploy serves bf16/fp16 only; SGLang's fused RMSNorm kernel has no float32 path
+    assert ("model.dtype: " in out.output) == (engine in ("lmdeploy", "sglang"))
 
 
 def test_recipe_checks_apply_only_to_the_chosen_backend():
@@ -96,7 +97,7 @@ def test_recipe_checks_apply_only_to_the_chosen_backend():
         assert cls.check_recipe(recipe) == []  # another backend's recipe
         recipe.rollout.name = engine
         assert [f for f, _ in cls.check_recipe(recipe)] == (
-            ["resources.device", "model.dtype"] if engine == "lmdeploy" else ["resources.device"])
+            ["resources.device", "model.dtype"] if engine in ("lmdeploy", "sglang") else ["resources.device"])
         recipe.resources.device, recipe.model.dtype = "cuda", "bfloat16"
         assert cls.check_recipe(recipe) == []
         recipe.rollout.name, recipe.resources.device, recipe.model.dtype = "embedded", "cpu", "float32"

@@ -14,13 +14,17 @@ from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_sglang.logic import (
+    FLOAT32_REFUSAL,
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    dtype_name,
     engine_kwargs,
     finish_reason,
     first_stop,
     parse_output,
     plan_phases,
+    settle_finish,
+    usable_context,
 )
 
 log = logging.getLogger(__name__)
@@ -42,11 +46,15 @@ ids (``skip_tokenizer_init``) straight to the tokenizer manager's ``generate_req
 * **Sleep** (``enable_memory_saver``): level 1 releases the KV cache; level 2 releases the KV cache,
   the weights (backed up in CPU memory: ``enable_weights_cpu_backup``) and the CUDA-graph memory.
 * **min_tokens** is served as two SGLang requests (stop ids at ``-inf`` logit bias for the first
-  ``min_tokens`` tokens, then the rest), because SGLang's ``min_new_tokens`` needs a tokenizer.
-  ``ignore_eos`` together with ``stop_token_ids`` streams the request and the plugin stops it at
-  the first stop id (SGLang's ``ignore_eos`` switches every stop id off).
-* **Seeds**: off by default (``use_request_seeds``): SGLang's flashinfer sampling kernels refuse
-  per-request seeds when top-k/top-p is active.
+  ``min_tokens`` tokens, then the rest), because SGLang refuses ``min_new_tokens`` without a
+  tokenizer. ``ignore_eos`` together with ``stop_token_ids`` streams the request and the plugin
+  stops it at the first stop id (SGLang's ``ignore_eos`` switches every stop id off).
+* **Seeds**: off by default (``use_request_seeds``): SGLang reads a request's ``sampling_seed`` only
+  with ``enable_deterministic_inference`` (batch-invariant kernels, pytorch sampler: slower), which
+  the option turns on.
+* **Length**: SGLang serves at most ``context_length - 2`` tokens per sequence, so ``max_model_len``
+  (prompt + response) is that.
+* **float32** is refused when the backend is built (sgl-kernel's fused RMSNorm has no float32 path).
 """
 
 
@@ -67,8 +75,8 @@ class SGLangBackend(EngineBackend):
         max_model_len: int | None = Field(
             None,
             gt=1,
-            description="Prompt + response tokens per sequence (SGLang's context_length). Default: the model's. "
-            "Longer prompts fail with finish_reason 'error'.",
+            description="SGLang's context_length (default: the model's). SGLang serves at most this minus 2 "
+            "prompt + response tokens per sequence; longer prompts fail with finish_reason 'error'.",
         )
         max_batch_size: int | None = Field(
             None, gt=0, description="Requests decoded together (SGLang's max_running_requests). Default: SGLang's."
@@ -77,8 +85,9 @@ class SGLangBackend(EngineBackend):
         disable_cuda_graph: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
         use_request_seeds: bool = Field(
             False,
-            description="Pass each request's seed as SGLang's sampling_seed. Needs engine_kwargs "
-            "{sampling_backend: pytorch} when requests use top-k/top-p (flashinfer refuses seeds there).",
+            description="Pass each request's seed as SGLang's sampling_seed and start SGLang with "
+            "enable_deterministic_inference, the only mode in which it reads per-request seeds "
+            "(batch-invariant kernels and the pytorch sampler: slower).",
         )
         log_level: str = Field("error", description="SGLang's log level.")
         engine_kwargs: dict[str, Any] = Field(
@@ -92,7 +101,14 @@ class SGLangBackend(EngineBackend):
         self._api: SimpleNamespace | None = None
         self._tm: Any = None
         self._released: set[str] = set()
+        dtype_name(ctx.dtype)  # float32: a clear error now, not a dead scheduler and a SIGQUIT later
         super().__init__(config, ctx)
+
+    @classmethod
+    def _check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
+        if getattr(getattr(recipe, "model", None), "dtype", "auto") == "float32":
+            return [("model.dtype", FLOAT32_REFUSAL)]
+        return []
 
     # -------------------------------------------------------------------------- engine
     @staticmethod
@@ -133,9 +149,24 @@ class SGLangBackend(EngineBackend):
         except TypeError as exc:
             raise ValueError(f"rollout.engine_kwargs: {exc}") from exc
         self._tm = self._sgl.tokenizer_manager
-        self.max_model_len = int(self._tm.context_len)
+        self.max_model_len = usable_context(self._tm.context_len, getattr(self._tm, "max_req_input_len", None))
+        self._warn_on_model_eos()
+
+    def _warn_on_model_eos(self) -> None:
+        """SGLang also stops on the model config's EOS ids (unless ignore_eos); say so if the run's differ."""
+        model_config = getattr(self._tm, "model_config", None)
+        extra = sorted(set(getattr(model_config, "hf_eos_token_id", None) or ()) - set(self.ctx.eos_token_ids))
+        if extra:
+            log.warning(
+                "SGLang also ends responses at the model config's EOS id(s) %s, which are not among the run's "
+                "EOS ids %s", extra, list(self.ctx.eos_token_ids),
+            )
 
     async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
+        reason, error = await self._run_phases(job)
+        return settle_finish(reason, error, job.token_ids, job.stop_ids, job.budget)
+
+    async def _run_phases(self, job: Job) -> tuple[str, str | None]:
         prompt = list(job.prompt)
         reason, error = "length", None
         for k, phase in enumerate(plan_phases(job.params, stop_ids=job.stop_ids, budget=job.budget, seed=job.seed)):
@@ -158,16 +189,14 @@ class SGLangBackend(EngineBackend):
             if not phase.stream:
                 out = await gen.__anext__()
                 ids, lps, ftype, message = parse_output(out)
-                if len(lps) != len(ids):
-                    raise RuntimeError(f"SGLang returned {len(lps)} logprobs for {len(ids)} tokens")
                 job.add(ids, lps)
                 return finish_reason(ftype, message)
             stopped = False
             async for out in gen:
-                ids, lps, ftype, message = parse_output(out)
+                ids, lps, ftype, message = parse_output(out)  # cumulative: the new part is past what we have
                 if not stopped:
-                    n = len(lps)
-                    new_ids, new_lps = ids[len(job.token_ids) - start : n], lps[len(job.token_ids) - start : n]
+                    have = len(job.token_ids) - start
+                    new_ids, new_lps = ids[have:], lps[have:]
                     cut = first_stop(new_ids, phase.plugin_stops)
                     if cut is not None:
                         job.add(new_ids[: cut + 1], new_lps[: cut + 1])

@@ -1,24 +1,37 @@
 """The SGLang-specific logic of the plugin as pure functions (unit-tested without SGLang installed).
 
-Matched against the SGLang 0.5.17 sources (wheel ``sglang-0.5.17-cp312-cp312-manylinux_2_34_x86_64``):
+Matched against the SGLang 0.5.17 sources (wheel ``sglang-0.5.17-cp311-cp311-manylinux_2_34_x86_64``):
 
 * ``sglang/srt/sampling/sampling_params.py`` ``SamplingParams``: ``top_k=-1`` disables top-k
-  (becomes ``TOP_K_ALL``); a temperature below 1e-6 means greedy (SGLang sets temperature 1 and
-  top_k 1); ``logit_bias`` is ``{str(token_id): bias}``; ``sampling_seed`` seeds a request;
-  ``min_new_tokens`` reads ``req.tokenizer`` and fails with ``skip_tokenizer_init`` (the penalizer
-  in ``sampling/penaltylib/min_new_tokens.py``), so the plugin implements ``min_tokens`` itself.
-* ``sglang/srt/managers/schedule_batch.py`` ``Req._check_token_based_finish``: ``ignore_eos=True``
-  disables *every* token stop, ``stop_token_ids`` included; otherwise the request also stops on
-  the model's ``eos_token_id`` (config.json and generation_config.json). The stop token is part
-  of ``output_ids``. Finish reasons ``to_json()``: ``{"type": "stop", "matched": id}``,
-  ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ..., "status_code": ...}``.
-* ``sglang/srt/managers/tokenizer_manager.py`` (``_handle_batch_output`` for ``BatchTokenIDOutput``
-  and ``detokenize_logprob_tokens``): an output is ``{"output_ids": [...], "meta_info": {"id",
-  "finish_reason", "prompt_tokens", "completion_tokens", "output_token_logprobs": [(logprob,
-  token_id, None), ...], ...}}``; non-incremental stream chunks carry the cumulative lists.
-* ``sglang/srt/layers/sampler.py``: the returned logprob is ``log(softmax(logits / T))`` over the
-  whole vocabulary, computed before top-k/top-p filtering (greedy: ``log_softmax(logits)``) -
-  exactly the contract's value. Logits processors and ``logit_bias`` apply before it.
+  (becomes ``TOP_K_ALL``; 0 is refused); a temperature below 1e-6 means greedy (SGLang sets
+  temperature 1 and top_k 1); ``logit_bias`` is ``{str(token_id): bias}``; ``min_new_tokens > 0``
+  is refused with ``skip_tokenizer_init`` (``raise_if_tokenizer_required``: it needs the
+  tokenizer's EOS id), so the plugin implements ``min_tokens`` itself. The parameters travel to
+  the scheduler process as a msgpack-encoded ``msgspec.Struct`` (``-inf`` survives).
+* ``sglang/srt/sampling/sampling_batch_info.py`` / ``layers/sampler.py``: ``sampling_seed`` is read
+  only with ``enable_deterministic_inference`` (which also forces the pytorch sampler); without it
+  a request seed is silently ignored. The returned logprob is ``log(softmax(logits / T))`` over
+  the whole vocabulary before top-k/top-p filtering (greedy: ``log_softmax(logits)``) - exactly the
+  contract's value; ``logit_bias`` applies before it.
+* ``sglang/srt/managers/schedule_batch.py`` ``Req.update_finish_state``: the length limit is
+  checked *before* stop tokens and a pending abort before both, so a stop id sampled as the last
+  allowed token reports ``length`` and a request aborted on its last step reports ``abort``
+  (:func:`settle_finish` corrects both). ``ignore_eos=True`` disables *every* token stop,
+  ``stop_token_ids`` included; otherwise the request also stops on the model's EOS ids
+  (config.json and generation_config.json). The stop token is part of ``output_ids``. Finish
+  reasons ``to_json()``: ``{"type": "stop", "matched": id}``, ``{"type": "length", "length": n}``,
+  ``{"type": "abort", "message": ..., "status_code": ..., "err_type": ...}``.
+* ``sglang/srt/managers/tokenizer_manager.py`` (``_handle_batch_output`` for ``BatchTokenIDOutput``,
+  ``_handle_abort_req``, ``detokenize_logprob_tokens``): an output is ``{"output_ids": [...],
+  "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens",
+  "output_token_logprobs": [(logprob, token_id, None), ...], ...}}``; non-incremental stream chunks
+  carry the cumulative lists, except the answer to an abort of a *queued* streamed request, whose
+  ``output_ids`` holds only the last token (its ``output_token_logprobs`` stay cumulative, so
+  :func:`parse_output` reads the tokens from them).
+* ``sglang/srt/managers/tp_worker.py`` / ``scheduler.py``: ``max_req_len = context_len - 1``,
+  ``max_new_tokens`` is clipped to ``max_req_len - prompt - 1`` and prompts of
+  ``max_req_len - 5`` tokens or more are refused: a sequence holds at most ``context_len - 2``
+  tokens (:func:`usable_context`).
 """
 
 from __future__ import annotations
@@ -53,15 +66,27 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "disable_cuda_graph": "use the disable_cuda_graph option",
 }
 
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _NEG_INF = float("-inf")
+
+# Measured with SGLang 0.5.17 (sgl-kernel) on an H200: a float32 engine's scheduler dies during
+# start-up and SGLang's watchdog then SIGQUITs the whole rlcli process.
+FLOAT32_REFUSAL = (
+    "SGLang 0.5.17 cannot serve float32 models: sgl-kernel's fused RMSNorm (used by prefill and "
+    "decode) has no float32 path - the scheduler dies at start-up with 'rmsnorm(...) failed to "
+    "dispatch data type Float' and SGLang's watchdog then kills the whole process. "
+    "Set model.dtype: bfloat16 (or float16)"
+)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's ``dtype`` server arg for a run dtype; float32 and others raise ``ValueError``."""
+    if dtype == torch.float32:
+        raise ValueError(FLOAT32_REFUSAL)
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
-        raise ValueError(f"SGLang serves bfloat16, float16 or float32 models, not {dtype}") from None
+        raise ValueError(f"SGLang serves bfloat16 or float16 models, not {dtype} (set model.dtype: bfloat16)") from None
 
 
 def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gpu_id: int) -> dict[str, Any]:
@@ -84,8 +109,19 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
         kw["context_length"] = cfg.max_model_len
     if cfg.max_batch_size is not None:
         kw["max_running_requests"] = cfg.max_batch_size
+    if getattr(cfg, "use_request_seeds", False):
+        # SGLang reads `sampling_seed` only in deterministic mode (which also picks the pytorch sampler)
+        kw["enable_deterministic_inference"] = True
     kw.update(cfg.engine_kwargs)
     return kw
+
+
+def usable_context(context_len: int, max_req_input_len: int | None = None) -> int:
+    """Prompt + response tokens SGLang really serves per sequence (see the module docstring)."""
+    limit = int(context_len) - 2
+    if max_req_input_len:  # also bounded by the KV pool: max_req_len = max_req_input_len + 5
+        limit = min(limit, int(max_req_input_len) + 4)
+    return limit
 
 
 def check_engine_kwargs(extra: Mapping[str, Any]) -> list[tuple[str, str]]:
@@ -174,19 +210,21 @@ def first_stop(token_ids: Sequence[int], stops: frozenset[int]) -> int | None:
 def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | None, str | None]:
     """``(token_ids, logprobs, finish_type, finish_message)`` of a tokenizer-manager output dict.
 
-    ``finish_type`` is None while a streamed request runs. ``logprobs`` may be shorter than
-    ``token_ids`` in a stream chunk; a logprob entry naming another token raises ``ValueError``.
+    The tokens come from ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, None)``
+    entries, cumulative in every output), so tokens and logprobs always pair up. ``output_ids``
+    must agree with them: equal on a finished output, a prefix of it may lag on a running stream
+    chunk, and the answer to an abort of a queued streamed request holds only the last token.
+    ``finish_type`` is None while a streamed request runs. Disagreement raises ``ValueError``.
     """
-    ids = [int(t) for t in (out.get("output_ids") or [])]
+    out_ids = [int(t) for t in (out.get("output_ids") or [])]
     meta = out.get("meta_info") or {}
     entries = meta.get("output_token_logprobs") or []
-    lps = []
-    for i, entry in enumerate(entries[: len(ids)]):
+    ids, lps = [], []
+    for i, entry in enumerate(entries):
         value, token = entry[0], entry[1]
-        if token is not None and int(token) != ids[i]:
-            raise ValueError(f"SGLang logprob entry {i} is for token {token}, the output has {ids[i]}")
-        if value is None:
-            raise ValueError(f"SGLang returned no logprob for output position {i}")
+        if value is None or token is None:
+            raise ValueError(f"SGLang returned no logprob for output position {i}: {entry!r}")
+        ids.append(int(token))
         lps.append(float(value))
     reason = meta.get("finish_reason")
     if isinstance(reason, Mapping):
@@ -195,6 +233,19 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
         ftype, message = reason, None
     else:
         ftype, message = None, None
+    n = len(ids)
+    if len(out_ids) >= n:
+        if ftype is not None and ftype != "abort" and len(out_ids) != n:
+            raise ValueError(f"SGLang returned {n} logprobs for {len(out_ids)} tokens")
+        mismatch = next((i for i in range(n) if out_ids[i] != ids[i]), None)
+    elif ftype == "abort" and len(out_ids) <= 1:  # queued stream abort: only the last token
+        mismatch = None if not out_ids or out_ids[-1] == ids[-1] else n - 1
+    else:
+        raise ValueError(f"SGLang returned {n} logprobs for {len(out_ids)} tokens")
+    if mismatch is not None:
+        raise ValueError(
+            f"SGLang logprob entry {mismatch} is for token {ids[mismatch]}, the output has a different token"
+        )
     return ids, lps, (str(ftype) if ftype is not None else None), (str(message) if message else None)
 
 
@@ -203,3 +254,21 @@ def finish_reason(ftype: str | None, message: str | None) -> tuple[str, str | No
     if ftype in ("stop", "length", "abort"):
         return ftype, message
     return "error", message or f"SGLang finished with {ftype!r}"
+
+
+def settle_finish(
+    reason: str, error: str | None, token_ids: Sequence[int], stop_ids: Sequence[int], budget: int
+) -> tuple[str, str | None]:
+    """The finish reason the contract wants for a response SGLang ended with ``reason``.
+
+    SGLang checks its length limit before stop tokens and a pending abort before both: a stop id
+    sampled as the last allowed token comes back as "length", and a request whose abort landed on
+    the step that completed it comes back as "abort". Both are "stop" when the last token is a
+    stop id, and a complete aborted response is "length".
+    """
+    if reason in ("length", "abort") and token_ids:
+        if int(token_ids[-1]) in {int(t) for t in stop_ids}:
+            return "stop", None
+        if reason == "abort" and len(token_ids) >= budget:
+            return "length", None
+    return reason, error

@@ -1,14 +1,27 @@
 """A CPU stand-in for the SGLang 0.5.17 objects the plugin touches, shaped like the real ones.
 
-Shapes copied from the SGLang 0.5.17 wheel: ``TokenizerManager.generate_request(obj, request)``
-(an async generator; non-stream yields one final dict, non-incremental stream yields cumulative
-dicts) with outputs ``{"output_ids": [...], "meta_info": {"id", "finish_reason", "prompt_tokens",
+Shapes read in the SGLang 0.5.17 wheel: ``TokenizerManager.generate_request(obj, request)`` (an
+async generator; non-stream yields one final dict, non-incremental stream yields cumulative dicts)
+with outputs ``{"output_ids": [...], "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "output_token_logprobs": [(logprob, token_id, None), ...]}}`` and finish
 reasons ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`` /
-``{"type": "abort", "message": ...}`` (``srt/managers/schedule_batch.py``); ``abort_request(rid)``;
-``update_weights_from_tensor(obj, None) -> (success, message)``; ``release_memory_occupation`` /
-``resume_memory_occupation(obj, None)``; ``flush_cache()``; ``context_len``. ``ignore_eos`` turns
-every stop id off and ``logit_bias`` applies before sampling, as in SGLang.
+``{"type": "abort", "message": ..., "status_code": ..., "err_type": ...}``
+(``srt/managers/schedule_batch.py``). As there:
+
+* ``Req.update_finish_state`` order: a pending abort, then the length limit, then stop ids (so a
+  stop id sampled as the last allowed token finishes "length"); an abort of a running request
+  still decodes one more token; ``ignore_eos`` turns every stop id off; ``logit_bias`` applies
+  before sampling;
+* ``abort_request(rid)`` of a request that has not started makes ``generate_request`` raise
+  ``RequestAbortedError`` (a ``ValueError``); with ``abort_echo`` set, the answer to an abort of a
+  streamed request has the shape of ``_handle_abort_req`` for a queued request (``output_ids``
+  only the last token, logprobs cumulative);
+* ``SamplingParams``: unknown keys raise ``TypeError``; ``top_k`` 0 and ``min_new_tokens > 0``
+  (no tokenizer) raise ``ValueError``; ``max_new_tokens`` is clipped to
+  ``context_len - 2 - prompt`` and prompts of ``context_len - 6`` tokens or more are refused;
+* ``update_weights_from_tensor(obj, None) -> (success, message)``; ``release_memory_occupation`` /
+  ``resume_memory_occupation(obj, None)``; ``flush_cache(timeout_s)``; ``context_len``,
+  ``max_req_input_len``, ``model_config.hf_eos_token_id``.
 """
 
 from __future__ import annotations
@@ -22,6 +35,18 @@ from typing import Any
 import torch
 
 from rlcli_sglang.backend import SGLangBackend
+
+# SamplingParams fields of SGLang 0.5.17 (its msgspec Struct refuses others)
+SAMPLING_KEYS = frozenset({
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema", "regex",
+    "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+    "stream_interval", "logit_bias", "sampling_seed", "custom_params",
+})
+
+
+class RequestAbortedError(ValueError):
+    """SGLang's tokenizer_manager.RequestAbortedError."""
 
 
 @dataclass
@@ -62,8 +87,11 @@ def token_logprob(tok: int) -> float:
 
 
 class FakeTokenizerManager:
-    def __init__(self, vocab: int, context_len: int, step_s: float):
+    def __init__(self, vocab: int, context_len: int, step_s: float, eos_ids=()):
         self.vocab, self.context_len, self.step_s = vocab, context_len, step_s
+        self.max_req_input_len = context_len - 6  # scheduler: max_req_len - 5, max_req_len = context_len - 1
+        self.model_config = SimpleNamespace(hf_eos_token_id=set(eos_ids))
+        self.abort_echo = False
         self.shift = 0
         self.aborted: set[str] = set()
         self.released: set[str] = set()
@@ -81,6 +109,23 @@ class FakeTokenizerManager:
             tok = (tok + 1) % self.vocab
         return tok
 
+    def _check_sampling(self, obj: GenerateReqInput) -> dict:
+        sp = dict(obj.sampling_params)
+        unknown = set(sp) - SAMPLING_KEYS
+        if unknown:
+            raise TypeError(f"Unexpected keyword argument {sorted(unknown)[0]!r}")
+        if sp.get("min_new_tokens", 0) > 0:
+            raise ValueError(f"min_new_tokens={sp['min_new_tokens']} is unavailable when skip_tokenizer_init=True")
+        if sp.get("top_k", -1) == 0 or sp.get("top_k", -1) < -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {sp['top_k']}.")
+        n_in, max_new = len(obj.input_ids), sp.get("max_new_tokens", 128)
+        if n_in >= self.context_len or n_in + max_new > self.context_len:
+            raise ValueError("Requested token count exceeds the model's maximum context length")
+        if n_in >= self.max_req_input_len:
+            raise ValueError(f"Input length ({n_in} tokens) exceeds the maximum allowed length")  # BAD_REQUEST abort
+        sp["max_new_tokens"] = max(0, min(max_new, self.context_len - 1 - n_in - 1))
+        return sp
+
     async def generate_request(self, obj: GenerateReqInput, request: Any = None):
         if obj.input_ids and isinstance(obj.input_ids[0], list):  # a batch: one final list of outputs
             subs = [GenerateReqInput(ids, dict(obj.sampling_params), obj.return_logprob, False, f"batch-{i}")
@@ -93,28 +138,34 @@ class FakeTokenizerManager:
         assert "kv_cache" not in self.released, "served a request with the KV cache released"
         self.requests.append(obj)
         self.idle_confirmed = False
+        await asyncio.sleep(0)  # tokenization: the first point where an abort can land
         if obj.rid in self.aborted:
-            raise ValueError(f"Abort request {obj.rid}")
-        sp = obj.sampling_params
-        stops = set() if sp.get("ignore_eos") else set(sp.get("stop_token_ids") or [])
+            raise RequestAbortedError(f"Request {obj.rid} was aborted")
+        sp = self._check_sampling(obj)
+        stops = set(sp.get("stop_token_ids") or []) | self.model_config.hf_eos_token_id  # Req.eos_token_ids too
+        if sp.get("ignore_eos"):
+            stops = set()
         ids, lps, finish = [], [], None
         self.running += 1
         try:
             while finish is None:
                 await asyncio.sleep(self.step_s)
-                if obj.rid in self.aborted:
-                    finish = {"type": "abort", "message": "Abort in waiting queue", "status_code": None}
-                    break
+                abort = obj.rid in self.aborted  # Req.to_finish: this step still decodes a token
                 tok = self._sample(list(obj.input_ids) + ids, sp)
                 ids.append(tok)
                 lps.append(token_logprob(tok))
-                if tok in stops:
-                    finish = {"type": "stop", "matched": tok}
+                if abort:
+                    finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
                 elif len(ids) >= sp["max_new_tokens"]:
-                    finish = {"type": "length", "length": len(ids)}
+                    finish = {"type": "length", "length": sp["max_new_tokens"]}
+                elif tok in stops:
+                    finish = {"type": "stop", "matched": tok}
                 if obj.stream and finish is None:
                     yield self._out(obj, ids, lps, None)
-            yield self._out(obj, list(ids), list(lps), finish)
+            out = self._out(obj, list(ids), list(lps), finish)
+            if obj.stream and self.abort_echo and finish["type"] == "abort":
+                out["output_ids"] = out["output_ids"][-1:]  # _handle_abort_req for a queued streamed request
+            yield out
         finally:
             self.running -= 1
 
@@ -166,9 +217,11 @@ class FakeEngine:
     context_len = 512
     last: "FakeEngine | None" = None
 
+    eos_ids: tuple = ()
+
     def __init__(self, **kwargs):
         self.kwargs = kwargs
-        self.tokenizer_manager = FakeTokenizerManager(self.vocab, self.context_len, self.step_s)
+        self.tokenizer_manager = FakeTokenizerManager(self.vocab, self.context_len, self.step_s, self.eos_ids)
         FakeEngine.last = self
 
     def get_all_child_pids(self) -> list[int]:
@@ -186,6 +239,7 @@ class FakeSGLangBackend(SGLangBackend):
     def _load_api(self):
         FakeEngine.vocab = self.model_info.vocab_size
         FakeEngine.context_len = int(self.config.max_model_len or self.model_info.max_position_embeddings)
+        FakeEngine.eos_ids = tuple(self.ctx.eos_token_ids)
         return SimpleNamespace(
             Engine=FakeEngine,
             GenerateReqInput=GenerateReqInput,
@@ -200,8 +254,9 @@ class FakeSGLangBackend(SGLangBackend):
         return self._tm
 
 
-def context(model_dir, eos: int = 2, version: int = 0):
+def context(model_dir, eos: int = 2, version: int = 0, dtype: torch.dtype = torch.bfloat16):
+    """A CPU run context; bfloat16 like a real SGLang run (the plugin refuses float32)."""
     from rlcli.backends.base import BackendContext
 
-    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=torch.float32,
+    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=dtype,
                           eos_token_ids=[eos], seed=0, version=version)

@@ -1,6 +1,9 @@
 """The SGLang backend's own code paths over a CPU stand-in for SGLang's engine (fake_sglang.py):
 phases, plugin-side stops, pause with partial tokens, weight updates and memory release tags,
-shutdown that spares other child processes."""
+shutdown that spares other child processes, the float32 refusal.
+
+The contexts are bfloat16, like a real SGLang run. The dtype is incidental here: the fake engine's
+tokens and logprobs are exact functions of the token ids (no model math), so nothing is loosened."""
 
 from __future__ import annotations
 
@@ -151,9 +154,57 @@ def test_requests_made_while_asleep_wait_for_wake_up(backend):
     assert first.finish_reason == "abort" and queued.finish_reason == "length"
 
 
+def test_a_float32_run_is_refused_before_the_engine_starts(tiny_qwen2):
+    # SGLang 0.5.17's scheduler dies on float32 (sgl-kernel RMSNorm) and its watchdog SIGQUITs rlcli
+    from fake_sglang import FakeEngine
+
+    FakeEngine.last = None
+    with pytest.raises(ValueError, match=r"model\.dtype: bfloat16 \(or float16\)"):
+        FakeSGLangBackend(FakeSGLangBackend.Config(), context(tiny_qwen2, dtype=torch.float32))
+    assert FakeEngine.last is None  # no engine (no scheduler process) was built
+
+
 def test_shutdown_stops_the_watchdog_and_never_calls_engine_shutdown(tiny_qwen2):
     be = FakeSGLangBackend(FakeSGLangBackend.Config(), context(tiny_qwen2))
     tm = be.tm
     be.shutdown()  # FakeEngine.shutdown() raises if called
     assert ("watchdog_stop",) in tm.calls
     assert asyncio.run(gen(be, [1], max_tokens=2)).finish_reason == "error"
+
+
+def test_a_stop_id_sampled_as_the_last_allowed_token_is_a_stop(backend):
+    # SGLang checks max_new_tokens before stop ids and answers "length" there
+    full = expected(backend, [7, 3], 30)
+    n = next(i for i in range(2, 30) if full[i - 1] not in full[: i - 1] and 2 not in full[:i])
+    out = asyncio.run(gen(backend, [7, 3], max_tokens=n, stop_token_ids=[full[n - 1]]))
+    assert out.token_ids == full[:n] and out.finish_reason == "stop"
+
+
+def test_context_length_is_what_sglang_serves(backend):
+    # SGLang clips max_new_tokens to context_len - 2 - prompt: the backend's max_model_len says so
+    assert backend.max_model_len == backend.tm.context_len - 2
+    prompt = [5] * (backend.max_model_len - 3)
+    out = asyncio.run(gen(backend, prompt, max_tokens=50, ignore_eos=True))
+    assert out.finish_reason == "error" and "maximum allowed length" in out.error  # SGLang's own refusal
+    ok = asyncio.run(gen(backend, [5] * 10, max_tokens=backend.max_model_len, ignore_eos=True))
+    assert ok.finish_reason == "length" and len(ok.token_ids) == backend.max_model_len - 10
+
+
+def test_pause_of_a_streamed_request_keeps_the_streamed_tokens(backend):
+    # SGLang's answer to an abort of a queued streamed request holds only the last output id
+    backend.tm.abort_echo = True
+
+    async def main():
+        task = asyncio.ensure_future(gen(backend, [1, 2], max_tokens=500, ignore_eos=True, temperature=0.0,
+                                         stop_token_ids=[backend.model_info.vocab_size + 7]))
+        await asyncio.sleep(0.1)
+        backend.pause()
+        part = await asyncio.wait_for(task, 5)
+        backend.resume()
+        return part
+
+    part = asyncio.run(main())
+    assert backend.tm.requests[-1].stream
+    assert part.finish_reason == "abort" and 1 < len(part.token_ids) < 500
+    assert part.token_ids == expected(backend, [1, 2], len(part.token_ids))
+    assert part.logprobs == [token_logprob(t) for t in part.token_ids]

@@ -3,7 +3,9 @@
 The conformance kit runs with every check but ``sleep_wake``, whose CUDA part reads
 ``torch.cuda.memory_allocated()`` of this process and cannot see the memory of SGLang's scheduler
 process; the plugin check below reads free device memory (``torch.cuda.mem_get_info``) instead.
-``RLCLI_GPU_TEST_DTYPE`` (default float32) picks the engine dtype; bfloat16 loosens the kit.
+``RLCLI_GPU_TEST_DTYPE`` (default bfloat16; float16 also works) picks the engine dtype. float32 is
+refused by the plugin: SGLang 0.5.17's fused RMSNorm (sgl-kernel) has no float32 path. The kit's
+tolerances are loosened for 16-bit kernels against its float32 CPU reference.
 """
 
 from __future__ import annotations
@@ -23,18 +25,15 @@ from rlcli_sglang import SGLangBackend
 pytestmark = pytest.mark.gpu
 
 TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
-DTYPE = getattr(torch, os.environ.get("RLCLI_GPU_TEST_DTYPE", "float32"))
+DTYPE = getattr(torch, os.environ.get("RLCLI_GPU_TEST_DTYPE", "bfloat16"))
 KIT_SKIP = ["sleep_wake"]
-if DTYPE == torch.float32:
-    KIT_OPTIONS = {"greedy_matches_reference": {"min_exact_fraction": 0.8},
-                   "logprobs_match_forward": {"atol": 2e-3},
-                   "many_concurrent": {"batch_invariant": False}}
-else:  # bf16 kernels against the fp32 CPU reference
-    KIT_OPTIONS = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
-                   "logprobs_match_forward": {"atol": 0.15},
-                   "pause_returns_partial_and_continue": {"exact_continuation": False},
-                   "many_concurrent": {"batch_invariant": False}}
-KIT_SKIP += ["seeded_sampling_batch_invariant"]  # use_request_seeds is off by default (flashinfer sampling)
+# 16-bit kernels against the fp32 CPU reference: greedy paths diverge after a near-tie, logprobs
+# differ by bf16 rounding, and a paused-then-continued sequence need not match token for token.
+KIT_OPTIONS = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
+               "logprobs_match_forward": {"atol": 0.15},
+               "pause_returns_partial_and_continue": {"exact_continuation": False},
+               "many_concurrent": {"batch_invariant": False}}
+KIT_SKIP += ["seeded_sampling_batch_invariant"]  # use_request_seeds is off by default (deterministic mode)
 
 
 def make_backend(model_dir, **options):
@@ -54,9 +53,9 @@ def test_conformance_kit(dirs):
     assert ran == [n for n in bc.ALL_CHECKS if n not in KIT_SKIP]
 
 
-def test_seeded_sampling_with_the_pytorch_sampler(dirs):
-    def make(model_dir):
-        return make_backend(model_dir, use_request_seeds=True, engine_kwargs={"sampling_backend": "pytorch"})
+def test_seeded_sampling_in_deterministic_mode(dirs):
+    def make(model_dir):  # use_request_seeds starts SGLang with enable_deterministic_inference
+        return make_backend(model_dir, use_request_seeds=True)
 
     bc.check_seeded_sampling_batch_invariant(make, dirs[0])
 

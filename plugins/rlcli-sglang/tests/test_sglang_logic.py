@@ -9,7 +9,18 @@ import torch
 
 from rlcli.types import SampleParams
 from rlcli_sglang import SGLangBackend
-from rlcli_sglang.logic import ENGINE, check_engine_kwargs, engine_kwargs, finish_reason, first_stop, parse_output, plan_phases
+from rlcli_sglang.logic import (
+    ENGINE,
+    check_engine_kwargs,
+    dtype_name,
+    engine_kwargs,
+    finish_reason,
+    first_stop,
+    parse_output,
+    plan_phases,
+    settle_finish,
+    usable_context,
+)
 
 INF = float("-inf")
 
@@ -29,9 +40,43 @@ def test_engine_kwargs_defaults_and_managed_values():
 
 def test_engine_kwargs_maps_rlcli_names_to_sglang_ones():
     kw = engine_kwargs(cfg(max_model_len=2048, max_batch_size=256, engine_kwargs={"attention_backend": "fa3"}),
-                       model_dir="/m", dtype=torch.float32, seed=0, gpu_id=0)
+                       model_dir="/m", dtype=torch.float16, seed=0, gpu_id=0)
     assert kw["context_length"] == 2048 and kw["max_running_requests"] == 256 and kw["attention_backend"] == "fa3"
-    assert kw["dtype"] == "float32"
+    assert kw["dtype"] == "float16"
+
+
+def test_float32_is_refused_with_the_measured_reason():
+    # SGLang 0.5.17 on an H200: sgl-kernel's RMSNorm has no float32 path, the scheduler dies at start-up
+    with pytest.raises(ValueError, match="model.dtype: bfloat16") as exc:
+        engine_kwargs(cfg(), model_dir="/m", dtype=torch.float32, seed=0, gpu_id=0)
+    assert "failed to dispatch data type Float" in str(exc.value) and "RMSNorm" in str(exc.value)
+    with pytest.raises(ValueError, match="bfloat16"):
+        dtype_name(torch.float64)
+    assert dtype_name(torch.bfloat16) == "bfloat16" and dtype_name(torch.float16) == "float16"
+
+
+def test_validate_reports_a_float32_recipe():
+    from types import SimpleNamespace as NS
+
+    def recipe(dtype):
+        return NS(rollout=NS(name="sglang"), resources=NS(device="cuda"), model=NS(dtype=dtype))
+
+    issues = SGLangBackend.check_recipe(recipe("float32"))
+    assert [f for f, _ in issues] == ["model.dtype"] and "bfloat16" in issues[0][1]
+    assert SGLangBackend.check_recipe(recipe("bfloat16")) == SGLangBackend.check_recipe(recipe("auto")) == []
+
+
+def test_request_seeds_turn_on_sglang_deterministic_mode():
+    # SGLang reads sampling_seed only with enable_deterministic_inference
+    assert engine_kwargs(cfg(use_request_seeds=True), model_dir="/m", dtype=torch.bfloat16, seed=0,
+                         gpu_id=0)["enable_deterministic_inference"] is True
+    assert "enable_deterministic_inference" not in engine_kwargs(cfg(), model_dir="/m", dtype=torch.bfloat16,
+                                                                 seed=0, gpu_id=0)
+
+
+def test_usable_context():
+    assert usable_context(512) == 510  # max_req_len = 511, max_new_tokens <= max_req_len - prompt - 1
+    assert usable_context(512, 506) == 510 and usable_context(512, 100) == 104  # KV-pool bound
 
 
 def test_engine_kwargs_conflicts():
@@ -95,12 +140,31 @@ def test_parse_output_final_and_stream_chunks():
         "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None), (-0.25, 2, None)]}}
     assert parse_output(out) == ([5, 6, 2], [-0.5, -1.0, -0.25], "stop", None)
     chunk = {"output_ids": [5, 6], "meta_info": {"finish_reason": None, "output_token_logprobs": [(-0.5, 5, None)]}}
-    assert parse_output(chunk) == ([5, 6], [-0.5], None, None)
+    assert parse_output(chunk) == ([5], [-0.5], None, None)  # only tokens with their logprob
     aborted = {"output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "Abort before prefill"}}}
     assert parse_output(aborted) == ([], [], "abort", "Abort before prefill")
+    # _handle_abort_req of a queued streamed request: output_ids is the last token, logprobs cumulative
+    echo = {"output_ids": [6], "meta_info": {"finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                                             "output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None)]}}
+    assert parse_output(echo) == ([5, 6], [-0.5, -1.0], "abort", "Abort in waiting queue")
     bad = {"output_ids": [5], "meta_info": {"output_token_logprobs": [(-0.5, 7, None)]}}
     with pytest.raises(ValueError, match="for token 7"):
         parse_output(bad)
+    short = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                                                 "output_token_logprobs": [(-0.5, 5, None)]}}
+    with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
+        parse_output(short)
+
+
+def test_settle_finish():
+    # SGLang checks the length limit before stop ids, and a pending abort before both
+    assert settle_finish("length", None, [4, 2], [2], 2) == ("stop", None)
+    assert settle_finish("length", None, [4, 5], [2], 2) == ("length", None)
+    assert settle_finish("abort", None, [4, 2], [2], 9) == ("stop", None)
+    assert settle_finish("abort", None, [4, 5], [2], 2) == ("length", None)
+    assert settle_finish("abort", None, [4], [2], 2) == ("abort", None)
+    assert settle_finish("abort", None, [], [2], 2) == ("abort", None)
+    assert settle_finish("error", "boom", [2], [2], 1) == ("error", "boom")
 
 
 @pytest.mark.parametrize("ftype, expected", [("stop", "stop"), ("length", "length"), ("abort", "abort"),
