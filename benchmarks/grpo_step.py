@@ -39,6 +39,49 @@ PROMPTS, K, NEW, PROMPT_LEN = 64, 8, 256, 64
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 RESULTS: list[dict] = []
+PROFILE_DIR: Path | None = None  # --profile: torch.profiler tables are written here
+PROFILE_WHAT = "all"  # or "train": only the train step is profiled
+
+
+def profiled(name: str):
+    """Context manager: torch.profiler over the block when --profile is on; writes a kernel table."""
+    import contextlib
+
+    if PROFILE_DIR is None or (PROFILE_WHAT == "train" and not name.startswith("train")):
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+
+    @contextlib.contextmanager
+    def run():
+        t = time.perf_counter()
+        with profile(activities=acts) as prof:
+            yield
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+        ka = prof.key_averages()
+        key = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+        busy = sum(getattr(e, key, 0) for e in ka) / 1e6
+        head = f"===== {name}: wall {wall:.3f}s, summed self {'GPU' if DEVICE == 'cuda' else 'CPU'} time {busy:.3f}s"
+        text = "\n".join([head, ka.table(sort_by=key, row_limit=45, max_name_column_width=80),
+                          "by total time (ranges include their children):",
+                          ka.table(sort_by=key.replace("self_", ""), row_limit=25, max_name_column_width=80)])
+        PROFILE_DIR.mkdir(parents=True, exist_ok=True)
+        with (PROFILE_DIR / "profiles.txt").open("a") as f:
+            f.write(text + "\n\n")
+        print(text, flush=True)
+        if name == "step":  # one whole GRPO step as a Chrome/Perfetto trace, gzipped
+            import gzip
+            import shutil
+
+            raw = Path(tempfile.mkdtemp()) / "trace.json"
+            prof.export_chrome_trace(str(raw))
+            with raw.open("rb") as src, gzip.open(PROFILE_DIR / "trace-step.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+
+    return run()
 
 
 def result(**kw) -> None:
@@ -105,7 +148,7 @@ def ceilings() -> float:
     return tflops
 
 
-def engine(model_dir: Path) -> None:
+def engine(model_dir: Path, overrides: list[str] | None = None, label: str = "embedded") -> None:
     import asyncio
 
     from rlcli.backends.base import BackendContext, GenerateRequest
@@ -114,7 +157,11 @@ def engine(model_dir: Path) -> None:
 
     ctx = BackendContext(model_dir=str(model_dir), device=torch.device(DEVICE), dtype=DTYPE,
                          eos_token_ids=[SHAPE["vocab"] - 1], seed=0)
-    be = EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=512, max_model_len=512), ctx)
+    from rlcli.overrides import apply_overrides
+
+    conf = apply_overrides({"max_batch_size": 512, "max_model_len": 512}, list(overrides or []))
+    t0 = time.perf_counter()
+    be = EmbeddedBackend(EmbeddedBackend.Config(**conf), ctx)
     params = SampleParams(max_tokens=NEW, min_tokens=NEW, ignore_eos=True, temperature=1.0)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, SHAPE["vocab"] - 3, (PROMPT_LEN,), generator=g).tolist() for _ in range(512 // K)]
@@ -129,12 +176,40 @@ def engine(model_dir: Path) -> None:
 
     loop = asyncio.new_event_loop()
     times = [loop.run_until_complete(once()) for _ in range(3)]
-    result(what="engine", engine="embedded", sequences=512, new_tokens=NEW, seconds=[round(t, 3) for t in times],
-           tok_per_s=round(512 * NEW / min(times[1:]), 0), peak_gib=peak_gib())
+    first_s = time.perf_counter() - t0 - sum(times[1:])  # start-up + first call (graphs, compilation)
+    with profiled(f"engine-{label}"):
+        loop.run_until_complete(once())
+
+    def direct() -> float:  # the scheduler driven on this thread: no event loop, no worker thread
+        eng = be.engine
+        seqs = [eng.make_sequence(GenerateRequest(prompt_ids=p, params=params, seed=i * K + j), 0)
+                for i, p in enumerate(prompts) for j in range(K)]
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for sq in seqs:
+            eng.submit(sq)
+        while eng.has_work():
+            eng.step()
+        return time.perf_counter() - t
+
+    direct_s = min(direct() for _ in range(2))
+    with profiled(f"engine-direct-{label}"):
+        direct()
+    result(what="engine", engine="embedded", label=label, overrides=list(overrides or []),
+           startup_and_first_s=round(first_s, 1), sequences=512, new_tokens=NEW, seconds=[round(t, 3) for t in times],
+           tok_per_s=round(512 * NEW / min(times[1:]), 0), direct_s=round(direct_s, 3),
+           direct_tok_per_s=round(512 * NEW / direct_s, 0), peak_gib=peak_gib())
     be.shutdown()
     loop.close()
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def peak_gib() -> float | None:
@@ -159,8 +234,10 @@ class BenchPlugin:
         self.register_judgers = hookimpl(lambda: [LengthMod7])
 
 
-def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float) -> None:
+def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float,
+                overrides: list[str] | None = None, label: str = "embedded") -> None:
     from rlcli.config import validate_recipe
+    from rlcli.overrides import apply_overrides
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
 
@@ -177,16 +254,32 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
                        "max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}},
                    "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
     }
+    raw = apply_overrides(raw, list(overrides or []))
     rec = validate_recipe(raw, registry=registry_with(BenchPlugin()))
     runner = ColocateRunner(rec, quiet=True, overwrite=True)
     rows = []
     orig_log = runner.log
+    orig_train = runner.worker.train_step
+    calls = []
+
+    def train_step(seqs):  # --profile: the third train step (warm) under torch.profiler
+        calls.append(1)
+        with profiled(f"train-{label}") if len(calls) == 4 else _null():
+            return orig_train(seqs)
+
+    runner.worker.train_step = train_step
+
+    step_prof = []
 
     def log(step, metrics, groups=None):
         out = orig_log(step, metrics, groups)
         rows.append(out)
-        if step == 1 and DEVICE == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        if label == "embedded" and PROFILE_DIR is not None:  # --profile: the whole of step 3
+            if step == 2:
+                step_prof.append(profiled("step"))
+                step_prof[0].__enter__()
+            elif step == 3:
+                step_prof[0].__exit__(None, None, None)
         return out
 
     runner.log = log
@@ -195,6 +288,9 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     finally:
         runner.close()
     measured = rows[1:]  # step 1 warms up (CUDA graphs, allocator)
+    if PROFILE_DIR is not None:  # steps 3 (whole step) and 4 (train) may have run under the profiler
+        skip = (1, 4) if PROFILE_WHAT == "train" else (1, 3, 4)
+        measured = [r for i, r in enumerate(rows, 1) if i not in skip] or measured
     step_s = [r["timing/step_s"] for r in measured]
     roll = [r["timing/rollout_s"] for r in measured]
     train = [r["timing/train_s"] for r in measured]
@@ -202,13 +298,22 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     tokens = PROMPTS * K * (PROMPT_LEN + NEW)
     flops = 6 * n_params(model_dir) * tokens
     gb = measured[-1].get("sync/bytes", 0) / 1e9
-    result(what="rlcli", backend="embedded", steps_measured=len(measured),
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    result(what="rlcli", backend="embedded", label=label, overrides=list(overrides or []),
+           steps_measured=len(measured),
            step_s_median=round(statistics.median(step_s), 3), step_s_min=round(min(step_s), 3),
            step_s_max=round(max(step_s), 3), rollout_s=round(statistics.median(roll), 3),
            train_s=round(statistics.median(train), 3), sync_s=round(statistics.median(sync), 4),
            gen_tok_per_s=round(PROMPTS * K * NEW / statistics.median(roll), 0),
            train_mfu=round(flops / statistics.median(train) / (peak_tflops * 1e12), 3),
-           sync_s_per_gb=round(statistics.median(sync) / gb, 4) if gb else None, peak_gib=peak_gib())
+           sync_s_per_gb=round(statistics.median(sync) / gb, 4) if gb else None,
+           peak_gib=max((r.get(k, 0.0) for r in measured for k in ("memory/rollout_peak_gib", "memory/train_peak_gib")),
+                        default=None) if DEVICE == "cuda" else None,
+           rollout_peak_gib=max((r.get("memory/rollout_peak_gib", 0.0) for r in measured), default=None)
+           if DEVICE == "cuda" else None,
+           train_peak_gib=max((r.get("memory/train_peak_gib", 0.0) for r in measured), default=None)
+           if DEVICE == "cuda" else None)
 
 
 def trl_steps(model_dir: Path, steps: int) -> None:
@@ -260,13 +365,14 @@ def write_outputs(out: Path) -> None:
     env = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
            "transformers": transformers.__version__}
     (out / "results.json").write_text(json.dumps({"env": env, "results": RESULTS}, indent=2))
-    by = {r["what"]: r for r in RESULTS if "error" not in r}
+    by = {r["what"]: r for r in reversed(RESULTS) if "error" not in r}  # first result of each kind
+    variants = [r for r in RESULTS if r.get("what") == "rlcli" and "error" not in r]
     lines = [f"{env['date']}, {env['gpu']}, torch {env['torch']}, transformers {env['transformers']}", "",
              "| framework | step median (s) | min-max (s) | rollout (s) | train (s) | sync (s) | gen tok/s | MFU | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    if "rlcli" in by:
-        r = by["rlcli"]
-        lines.append(f"| rlcli (embedded) | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
+    for r in variants:
+        name = "rlcli (embedded)" if r.get("label", "embedded") == "embedded" else f"rlcli ({r['label']}: {' '.join(r['overrides'])})"
+        lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
                      f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r['train_mfu']} | {r['peak_gib']} |")
     if "trl" in by:
         r = by["trl"]
@@ -299,8 +405,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="recipe override for the rlcli section (repeatable), e.g. train_worker.pack_max_length=4096")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="one more rlcli run with these overrides (on top of --set), labelled NAME (repeatable)")
+    ap.add_argument("--engine-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="one more engine run with these backend settings, e.g. compiled:compile=true (repeatable)")
+    ap.add_argument("--profile", nargs="?", const="all", choices=["all", "train"],
+                    help="torch.profiler tables (into --out, else printed): 'all' = one engine call, one whole "
+                    "GRPO step and one train step; 'train' = the train step only (cheaper)")
     args = ap.parse_args()
-    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN
+    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR
     if args.tiny:
         SHAPE.update(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128)
         DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
@@ -311,12 +426,25 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     model_dir = make_model_dir(root / "model")
     data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
+    if args.profile:
+        PROFILE_DIR = args.out or (root / "profile")
+    global PROFILE_WHAT
+    PROFILE_WHAT = args.profile or "all"
     peak = 787.0
     sections = [("ceilings", lambda: ceilings()), ("engine", lambda: engine(model_dir)),
-                ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, peak)),
-                ("trl", lambda: trl_steps(model_dir, args.steps))]
+                ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, peak, args.set))]
+    for spec in args.engine_variant:
+        label, _, sets = spec.partition(":")
+        extra = [kv for kv in sets.split(",") if kv]
+        sections.insert(2, (f"engine:{label}", lambda label=label, extra=extra: engine(model_dir, extra, label)))
+    sections.append(("trl", lambda: trl_steps(model_dir, args.steps)))  # same run as the main rlcli row
+    for spec in args.variant:
+        label, _, sets = spec.partition(":")
+        extra = [kv for kv in sets.split(",") if kv]
+        sections.append((f"rlcli:{label}", lambda label=label, extra=extra: rlcli_steps(
+            model_dir, data, root / f"work-{label}", args.steps, peak, args.set + extra, label)))
     for name, fn in sections:
-        if not getattr(args, name):
+        if not getattr(args, name.split(":")[0]):
             continue
         try:
             t = time.perf_counter()
@@ -326,8 +454,8 @@ def main() -> None:
             print(f"[{name}] done in {time.perf_counter() - t:.1f}s", flush=True)
         except Exception:
             result(what=name, error=traceback.format_exc()[-2000:])
-    if args.out:
-        write_outputs(args.out)
+        if args.out:  # after every section: a run cut short still leaves its results
+            write_outputs(args.out)
 
 
 if __name__ == "__main__":
