@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -28,6 +29,10 @@ from rlcli_lmdeploy.logic import (
 
 log = logging.getLogger(__name__)
 
+# LMDeploy checks its environment (torch, triton, the model) in a spawned process at every engine
+# start; once one engine of this process passed it, later ones skip it (seconds per start).
+_ENV_CHECK_PASSED = False
+
 _DOC = """
 LMDeploy's PyTorch ``Engine`` runs in the rlcli process (the "uni" executor) with its asyncio loop
 on the plugin's engine thread; requests go in as token ids through ``EngineInstance
@@ -43,6 +48,10 @@ on the plugin's engine thread; requests go in as token ids through ``EngineInsta
   ``update_params``. While asleep the weights are woken first (``wakeup(["weights"])``).
 * **Sleep**: both levels call LMDeploy's ``sleep(1)``: the KV cache is freed and the weights move to
   CPU memory, so ``wake_up`` restores them exactly (LMDeploy's level 2 would drop them).
+* **Context**: ``session_len`` is ``max_model_len`` or the model's ``max_position_embeddings``, cut
+  to what the KV cache holds.
+* **Start-up**: LMDeploy's environment check (a spawned process) runs for the first engine of the
+  process only; a failed check raises instead of exiting the process.
 * **Limits**: one GPU and one rank per run; prefix caching off (LMDeploy cannot invalidate cached
   prefixes when the weights change); temperature at most 2.
 """
@@ -73,6 +82,11 @@ class LMDeployBackend(EngineBackend):
         eager_mode: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
         use_request_seeds: bool = Field(
             True, description="Pass each request's seed as LMDeploy's random_seed (reproducible samples per request)."
+        )
+        log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+            "WARNING",
+            description="Level of LMDeploy's 'lmdeploy' logger (its pipeline's default; at INFO its engine "
+            "logs every batch of requests it receives).",
         )
         engine_kwargs: dict[str, Any] = Field(
             default_factory=dict,
@@ -111,30 +125,57 @@ class LMDeployBackend(EngineBackend):
     def _load_api() -> SimpleNamespace:
         """The LMDeploy classes the plugin uses (imported only when an engine is built)."""
         from lmdeploy import GenerationConfig, PytorchEngineConfig
+        from lmdeploy.pytorch import envs
         from lmdeploy.pytorch.engine import Engine
 
         return SimpleNamespace(
-            Engine=Engine, GenerationConfig=GenerationConfig, PytorchEngineConfig=PytorchEngineConfig
+            Engine=Engine, GenerationConfig=GenerationConfig, PytorchEngineConfig=PytorchEngineConfig, envs=envs
         )
+
+    def _build_engine(self, api: SimpleNamespace, engine_config: Any) -> Any:
+        """``Engine.from_pretrained``, with LMDeploy's environment check only for the process's first
+        engine, and its ``exit(1)`` on a failed check turned into an exception (a ``SystemExit`` on
+        the engine thread would end the whole process)."""
+        global _ENV_CHECK_PASSED
+        envs = getattr(api, "envs", None)
+        saved = getattr(envs, "enable_check_env", None)
+        if _ENV_CHECK_PASSED and saved is not None:
+            envs.enable_check_env = False
+        try:
+            engine = api.Engine.from_pretrained(str(self.ctx.model_dir), engine_config=engine_config)
+        except SystemExit as exc:
+            raise RuntimeError(f"LMDeploy's environment check failed (exit code {exc.code}); its log above "
+                               f"says why") from None
+        finally:
+            if saved is not None:
+                envs.enable_check_env = saved
+        _ENV_CHECK_PASSED = True
+        return engine
 
     # -------------------------------------------------------------------------- engine hooks
     async def _engine_start(self) -> None:
         self._api = api = self._load_api()
+        # LMDeploy's logger starts at INFO (its pipeline lowers it; the Engine used here does not)
+        logging.getLogger("lmdeploy").setLevel(self.config.log_level)
         device = torch.device(self.ctx.device)
         if device.type == "cuda":
             torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
+        kwargs = engine_config_kwargs(self.config, dtype=self.ctx.dtype, session_len=self.max_model_len)
         try:
-            engine_config = api.PytorchEngineConfig(**engine_config_kwargs(self.config, dtype=self.ctx.dtype))
-        except Exception as exc:  # unknown or invalid engine_kwargs
-            raise ValueError(f"rollout.engine_kwargs: {exc}") from exc
-        self._lmd = api.Engine.from_pretrained(str(self.ctx.model_dir), engine_config=engine_config)
+            engine_config = api.PytorchEngineConfig(**kwargs)
+        except Exception as exc:  # unknown or invalid engine_kwargs (TypeError, AssertionError, ...)
+            raise ValueError(f"rollout.engine_kwargs: invalid LMDeploy PytorchEngineConfig {kwargs}: "
+                             f"{type(exc).__name__}: {exc}") from exc
+        self._lmd = self._build_engine(api, engine_config)
         if not hasattr(getattr(self._lmd, "executor", None), "model_agent"):
+            self._lmd.close()
             raise RuntimeError("LMDeploy did not build the in-process ('uni') executor the plugin needs")
         self._lmd.start_loop()
         size = int(getattr(self._lmd.engine_config, "max_batch_size", None) or 256)
         self._pool = asyncio.Queue()
         for _ in range(size):
             self._pool.put_nowait(self._lmd.create_instance())
+        # the KV cache may hold fewer tokens than session_len: LMDeploy's max_session_len is the smaller
         self.max_model_len = int(self._lmd.max_session_len)
 
     async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
@@ -164,10 +205,22 @@ class LMDeployBackend(EngineBackend):
                     if finish is not None:
                         return finish, error
                     if job.aborted and not recancelled:
-                        # the cancel may have reached LMDeploy before this session existed
+                        # belt and braces: a cancel that found no running session
                         recancelled = True
                         await inst.async_cancel(session_id)
                 return "error", "LMDeploy ended the stream without a final status"
+            except asyncio.CancelledError:
+                # a cancelled caller: the cancellation went through the stream, whose own cleanup
+                # ended the session (END_SESSION also stops a running sequence)
+                raise
+            except BaseException:
+                # a failure here between two outputs: stop the sequence, then let the stream end the
+                # session (the order of LMDeploy's own AsyncEngine)
+                try:
+                    await asyncio.shield(inst.async_cancel(session_id))
+                except BaseException:  # noqa: BLE001 - the original error is the one to report
+                    log.debug("cancel of session %s failed", session_id, exc_info=True)
+                raise
             finally:
                 await stream.aclose()
         finally:
@@ -185,6 +238,10 @@ class LMDeployBackend(EngineBackend):
             self._asleep_tags.discard("weights")
         agent = self._lmd.executor.model_agent
         device = torch.device(self.ctx.device)
+        if torch.cuda.is_available():
+            # This thread's current CUDA stream is LMDeploy's forward stream (its model loop keeps it
+            # entered), not the stream the trainer produced these tensors on: wait for them.
+            torch.cuda.synchronize()
         tensors = [(name, t.detach().to(device=device, dtype=self.ctx.dtype)) for name, t in named_tensors]
         with agent.all_context():
             agent._load_updated_weight_bucket(tensors, "rlcli update_weights")
@@ -214,6 +271,7 @@ class LMDeployBackend(EngineBackend):
             await asyncio.wait([main], timeout=60)
         self._pool = None
         del engine
+        gc.collect()  # LMDeploy raises the gc thresholds; its engine objects form reference cycles
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -5,16 +5,24 @@ Matched against the LMDeploy 0.18.0 sources (wheel ``lmdeploy-0.18.0-cp312-cp312
 * ``lmdeploy/messages.py`` ``GenerationConfig``: ``top_k`` defaults to 50 and ``temperature`` to
   0.8 (the plugin always sets both); ``temperature`` must lie in [0, 2]; ``logprobs`` must be at
   least 1 for any logprob to come back (``pytorch/engine/engine_loop.py`` only fills them when
-  ``num_logprobs > 0``). ``EngineOutput(status, token_ids, logprobs, ...)`` with ``logprobs`` a
-  ``list[dict[int, float]]`` (sampled token first, then the top-``logprobs`` ids).
+  ``num_logprobs > 0``), and only when ``PytorchEngineConfig.logprobs_mode`` is set (its default
+  ``None`` computes none: ``logprobs=None`` in every output). ``EngineOutput(status, token_ids,
+  logprobs, ...)`` with ``logprobs`` a ``list[dict[int, float]]`` (sampled token first, then the
+  top-``logprobs`` ids; one dict when the sampled token is the top one).
 * ``lmdeploy/pytorch/messages.py`` ``SamplingParam.from_gen_config``: ``temperature == 0`` becomes
   top_k 1 at temperature 1; ``top_k <= 0`` disables top-k; with ``ignore_eos`` the stop ids become
   *banned* ids (``bad_words``), so the plugin never sets ``ignore_eos`` and passes exactly the stop
   ids that should stop; ``min_new_tokens`` masks the stop ids until reached.
 * ``lmdeploy/pytorch/engine/engine_instance.py`` ``EngineInstance.async_stream_infer``: yields
-  ``SUCCESS`` deltas (new token ids + their logprobs), then ``FINISH`` or ``CANCEL``
-  (``async_cancel(session_id)``) with the remaining tokens; any other ``ResponseType`` is an error.
-  The stop token is part of ``token_ids`` (``AsyncEngine`` strips it; the plugin does not).
+  ``SUCCESS`` deltas (new token ids + their logprobs; several tokens at once when the reader
+  lagged, as the engine overwrites one response object per request), then ``FINISH`` or ``CANCEL``
+  (``async_cancel(session_id)``, which returns None) with the tokens not yet read and their
+  logprobs; any other ``ResponseType`` is an error. The stop token is part of ``token_ids``
+  (``AsyncEngine`` strips it; the plugin does not). Closing the stream ends the session.
+* ``lmdeploy/pytorch/engine/engine.py`` ``Engine``: ``session_len`` None means "as many tokens as
+  the KV cache holds" (``AsyncEngine`` fills in the model's context; the plugin does too);
+  ``sleep(level)`` is a coroutine, ``wakeup(tags)`` is not; the uni executor has no
+  ``update_params``. ``random_seed`` is used modulo 2**32 with the token position as offset.
 * ``lmdeploy/pytorch/engine/logits_process.py`` ``FusedLogitsProcessor``: ``logprobs_mode``
   "raw_logprobs" is ``log_softmax`` of the raw logits before temperature, penalties, min-tokens
   masking and top-k/top-p; the only other mode is "raw_logits". So logprobs are the contract's
@@ -66,8 +74,13 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"LMDeploy's PyTorch engine serves bfloat16 or float16 models, not {dtype}") from None
 
 
-def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype) -> dict[str, Any]:
-    """``lmdeploy.PytorchEngineConfig`` keyword arguments for the plugin's config and a run."""
+def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | None = None) -> dict[str, Any]:
+    """``lmdeploy.PytorchEngineConfig`` keyword arguments for the plugin's config and a run.
+
+    ``session_len`` is the model's context (``max_position_embeddings``), used when the
+    ``max_model_len`` option is unset: LMDeploy's ``Engine`` (unlike its ``pipeline``) does not
+    read it from the model and would otherwise allow as many tokens as the KV cache holds.
+    """
     kw: dict[str, Any] = dict(
         dtype=dtype_name(dtype),
         tp=1,
@@ -79,8 +92,8 @@ def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype) -> dict[str, Any]:
         cache_max_entry_count=cfg.cache_max_entry_count,
         eager_mode=cfg.eager_mode,
     )
-    if cfg.max_model_len is not None:
-        kw["session_len"] = cfg.max_model_len
+    if (cfg.max_model_len or session_len) is not None:
+        kw["session_len"] = int(cfg.max_model_len or session_len)
     if cfg.max_batch_size is not None:
         kw["max_batch_size"] = cfg.max_batch_size
     kw.update(cfg.engine_kwargs)

@@ -134,3 +134,116 @@ def test_the_real_backend_refuses_cpu_and_multi_rank(tiny_qwen2):
     ctx.world_size = 2
     with pytest.raises(ValueError, match="single-rank"):
         LMDeployBackend(LMDeployBackend.Config(), ctx)
+
+
+def test_session_len_is_the_models_context_cut_to_the_kv_cache(tiny_qwen2, monkeypatch):
+    be = FakeLMDeployBackend(FakeLMDeployBackend.Config(), context(tiny_qwen2))
+    try:  # LMDeploy's Engine would otherwise allow as many tokens as its KV cache holds
+        import logging
+
+        assert logging.getLogger("lmdeploy").level == logging.WARNING  # LMDeploy's own default is INFO
+        max_pos = be.model_info.max_position_embeddings
+        assert be.fake.engine_config.session_len == max_pos and be.max_model_len == max_pos
+    finally:
+        be.shutdown()
+    monkeypatch.setattr("fake_lmdeploy.FakeEngine.kv_tokens", 40)
+    be = FakeLMDeployBackend(FakeLMDeployBackend.Config(max_model_len=64), context(tiny_qwen2))
+    try:
+        assert be.fake.engine_config.session_len == 64 and be.max_model_len == 40
+        out = asyncio.run(gen(be, [3] * 40, max_tokens=4))
+        assert out.finish_reason == "error" and "max_model_len is 40" in out.error
+        out = asyncio.run(gen(be, [3] * 30, max_tokens=50, ignore_eos=True))
+        assert out.finish_reason == "length" and len(out.token_ids) == 10
+    finally:
+        be.shutdown()
+
+
+@pytest.mark.parametrize("read_every", [3, 7])
+def test_coalesced_deltas_keep_tokens_and_logprobs_aligned(backend, read_every, monkeypatch):
+    monkeypatch.setattr("fake_lmdeploy.FakeEngine.read_every", read_every)
+    async def main():
+        return await asyncio.wait_for(asyncio.gather(
+            gen(backend, [4, 5], max_tokens=10, ignore_eos=True),  # FINISH carries several tokens
+            gen(backend, [6], max_tokens=10, stop_token_ids=[expected(backend, [6], 5)[-1]]),
+        ), 10)
+
+    outs = asyncio.run(main())
+    assert outs[0].token_ids == expected(backend, [4, 5], 10) and outs[0].finish_reason == "length"
+    assert outs[0].logprobs == [token_logprob(t) for t in outs[0].token_ids]
+    stop_at = expected(backend, [6], 5)
+    assert outs[1].token_ids == stop_at[: stop_at.index(stop_at[-1]) + 1] and outs[1].finish_reason == "stop"
+    assert outs[1].logprobs == [token_logprob(t) for t in outs[1].token_ids]
+
+
+def test_cancel_answer_carries_the_unread_tokens_with_their_logprobs(backend, monkeypatch):
+    monkeypatch.setattr("fake_lmdeploy.FakeEngine.read_every", 1000)  # nothing read before the cancel
+
+    async def main():
+        task = asyncio.ensure_future(gen(backend, [2, 3], max_tokens=500, ignore_eos=True))
+        await asyncio.sleep(0.1)
+        backend.pause()
+        return await asyncio.wait_for(task, 5)
+
+    part = asyncio.run(main())
+    assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 500
+    assert part.token_ids == expected(backend, [2, 3], len(part.token_ids))
+    assert part.logprobs == [token_logprob(t) for t in part.token_ids]
+
+
+def test_a_cancelled_caller_ends_its_session(backend):
+    async def main():
+        task = asyncio.ensure_future(gen(backend, [1, 2], max_tokens=500, ignore_eos=True))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    for _ in range(200):
+        if backend.fake.running == 0:
+            break
+        threading.Event().wait(0.01)
+    session = backend.fake.requests[-1][0]
+    assert backend.fake.ended[-1] == session and not backend.fake.sessions  # the stream's own cleanup
+    assert backend.fake.running == 0 and backend._pool.qsize() == 8
+
+
+def test_a_failure_between_outputs_cancels_the_sequence_then_ends_the_session(backend, monkeypatch):
+    import rlcli_lmdeploy.backend as backend_module
+
+    real, seen = backend_module.token_logprobs, []
+
+    def flaky(ids, logprobs):
+        seen.append(ids)
+        if len(seen) == 3:
+            raise RuntimeError("boom")
+        return real(ids, logprobs)
+
+    monkeypatch.setattr(backend_module, "token_logprobs", flaky)
+    out = asyncio.run(gen(backend, [1, 2], max_tokens=500, ignore_eos=True))
+    assert out.finish_reason == "error" and "boom" in out.error
+    session = backend.fake.requests[-1][0]
+    assert ("cancel", session) in backend.fake.calls and backend.fake.ended[-1] == session
+    assert backend.fake.running == 0 and not backend.fake.sessions and backend._pool.qsize() == 8
+
+
+def test_environment_check_runs_once_and_a_failed_check_raises(tiny_qwen2, monkeypatch):
+    import fake_lmdeploy
+
+    import rlcli_lmdeploy.backend as backend_module
+
+    monkeypatch.setattr(backend_module, "_ENV_CHECK_PASSED", False)
+    monkeypatch.setattr(fake_lmdeploy.FakeEngine, "env_checks", 0)
+    monkeypatch.setattr(fake_lmdeploy.FakeEngine, "check_env_fails", True)
+    with pytest.raises(RuntimeError, match="environment check failed"):  # not SystemExit
+        FakeLMDeployBackend(FakeLMDeployBackend.Config(), context(tiny_qwen2))
+    monkeypatch.setattr(fake_lmdeploy.FakeEngine, "check_env_fails", False)
+    for _ in range(2):
+        FakeLMDeployBackend(FakeLMDeployBackend.Config(), context(tiny_qwen2)).shutdown()
+    assert fake_lmdeploy.FakeEngine.env_checks == 2  # the failed one, then the first good one only
+    assert fake_lmdeploy.ENVS.enable_check_env is True  # LMDeploy's switch is left as it was
+
+
+def test_unknown_engine_kwargs_fail_at_start_with_the_option_named(tiny_qwen2):
+    with pytest.raises(ValueError, match="rollout.engine_kwargs.*no_such_field"):
+        FakeLMDeployBackend(FakeLMDeployBackend.Config(engine_kwargs={"no_such_field": 1}), context(tiny_qwen2))

@@ -37,6 +37,9 @@ def test_engine_config_maps_rlcli_names_and_passes_extras():
                               dtype=torch.float16)
     assert kw["session_len"] == 1024 and kw["max_batch_size"] == 512 and kw["block_size"] == 32
     assert kw["dtype"] == "float16"
+    # without max_model_len: the model's context (LMDeploy's Engine would take the KV cache's size)
+    assert engine_config_kwargs(cfg(), dtype=torch.bfloat16, session_len=32768)["session_len"] == 32768
+    assert engine_config_kwargs(cfg(max_model_len=512), dtype=torch.bfloat16, session_len=32768)["session_len"] == 512
 
 
 def test_fp32_is_refused_with_a_reason():

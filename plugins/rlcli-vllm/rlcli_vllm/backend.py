@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
@@ -19,9 +20,11 @@ from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_vllm.logic import (
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    engine_environment,
     engine_kwargs,
     finish_reason,
     logprob_caveat,
+    request_problem,
     sampling_kwargs,
     token_logprobs,
 )
@@ -36,20 +39,43 @@ requests by id (``abort_request``) and returns exactly the tokens and logprobs p
 
 * **Logprobs**: vLLM's ``logprobs_mode`` (option ``logprobs_mode``). The default,
   "processed_logprobs", is ``log_softmax(logits / T)`` - the contract's value - whenever top_k is 0
-  and top_p is 1; with top-k/top-p vLLM renormalises over the kept set. "raw_logprobs" is the
-  contract's value at temperature 1 (and greedy) whatever top-k/top-p. vLLM offers no mode that is
-  exact for both; a warning is logged once when a request falls outside the chosen mode's range.
+  and top_p is 1; with top-k/top-p vLLM renormalises over the kept set, and during the first
+  ``min_tokens`` tokens the stop ids (and the model's EOS ids, even with ``ignore_eos``) leave the
+  normaliser. "raw_logprobs" is the contract's value at temperature 1 (and greedy) whatever
+  top-k/top-p/min_tokens. vLLM offers no mode that is exact for both; a warning is logged once when
+  a request falls outside the chosen mode's range. Temperatures above 2 are refused (vLLM's range).
 * **Weights**: ``update_weights`` checks names and shapes, then calls ``model.load_weights`` inside
   vLLM's worker (``worker_extension_cls``), which fuses q/k/v and gate/up and copies in place;
   the prefix cache is reset afterwards. While asleep, the weights are woken first
   (``wake_up(tags=["weights"])``) and the KV cache stays released.
 * **Sleep**: both levels call vLLM's ``sleep(level=1)``: the KV cache is discarded and the weights
   are moved to CPU memory, so ``wake_up`` restores the exact weights (vLLM's level 2 would drop
-  them).
+  them). ``shutdown`` while asleep wakes the engine first (freeing unmapped sleep-mode memory is
+  not safe in vLLM 0.26).
+* **float32**: vLLM serves float32 models with its Triton attention backend (FlashAttention and
+  FlashInfer are half-precision only); the plugin sets ``TRITON_F32_DEFAULT=ieee`` for float32
+  engines (unless set) so that attention runs in full float32 instead of TF32.
 * **Limits**: one GPU (``tensor_parallel_size`` 1) and one rank per run; the engine always runs on
-  ``cuda:0`` of the process. Models vLLM loads with ``load_weights`` in place (bf16/fp16/fp32
-  checkpoints; not quantized ones).
+  ``cuda:0`` of the process; one engine alive per process (vLLM's sleep-mode allocator is a
+  process-wide singleton: shut one backend down before building the next). Models vLLM loads with
+  ``load_weights`` in place (bf16/fp16/fp32 checkpoints; not quantized ones).
 """
+
+
+def _cumem_bytes_in_use() -> int:
+    """Bytes vLLM's sleep-mode allocator (``CuMemAllocator``, a process-wide singleton) still holds."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:  # no CUDA build of vLLM: nothing can be held
+        return 0
+    instance = CuMemAllocator.instance
+    return 0 if instance is None else int(instance.get_current_usage())
+
+
+def _release_device_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @contextlib.contextmanager
@@ -119,8 +145,9 @@ class VLLMBackend(EngineBackend):
         )
         use_request_seeds: bool = Field(
             True,
-            description="Pass each request's seed to vLLM (reproducible samples per request; vLLM then samples "
-            "those rows with per-request generators, which is slower). False: vLLM's own random stream.",
+            description="Pass each request's seed to vLLM (reproducible samples per request). Free on vLLM's V2 "
+            "model runner (dense models); on V1 (MoE models) seeded rows are sampled one by one, which is slower. "
+            "False: vLLM's own random stream.",
         )
         engine_kwargs: dict[str, Any] = Field(
             default_factory=dict,
@@ -194,7 +221,41 @@ class VLLMBackend(EngineBackend):
     async def _engine_start(self) -> None:
         self._api = self._load_api()
         self._owns_default_group = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-        self._engine, self.max_model_len = self._build_engine(self._api)
+        if self.requires_cuda:
+            for key, value in engine_environment(self.ctx.dtype, os.environ).items():
+                os.environ[key] = value
+                log.info("vLLM backend: %s=%s", key, value)
+        self._check_allocator_free()
+        try:
+            self._engine, self.max_model_len = self._build_engine(self._api)
+        except BaseException:
+            self._cleanup_failed_start()
+            raise
+
+    def _check_allocator_free(self) -> None:
+        """vLLM asserts that its sleep-mode allocator is empty when an engine loads its weights (one
+        engine per process): collect what an earlier engine left, else fail with the reason."""
+        if _cumem_bytes_in_use() == 0:
+            return
+        _release_device_memory()
+        held = _cumem_bytes_in_use()
+        if held:
+            raise RuntimeError(
+                f"vLLM's sleep-mode allocator still holds {held / 2**20:.0f} MiB of an earlier vLLM engine in this "
+                f"process; vLLM runs one sleep-mode engine per process: shut the other vllm backend down first "
+                f"(and drop references to it)"
+            )
+
+    def _cleanup_failed_start(self) -> None:
+        """A start that failed half way: release vLLM's distributed state and memory for the next try."""
+        try:
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            with _keep_default_process_group(not self._owns_default_group):
+                cleanup_dist_env_and_memory()
+        except Exception:
+            log.debug("cleanup after a failed vLLM start", exc_info=True)
+        _release_device_memory()
 
     async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
         sp = self._api.SamplingParams(
@@ -292,19 +353,35 @@ class VLLMBackend(EngineBackend):
         for fut, _ in waiters.values():
             if not fut.done():
                 fut.set_result(("abort", None))
-        engine, self._engine = self._engine, None
-        if engine is None:
+        if self._engine is None:
             return
-        with _keep_default_process_group(not self._owns_default_group):
-            engine.engine_core.shutdown()
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        if self._weights_asleep or self._kv_asleep:
+            # Tensors freed while their sleep-mode memory is unmapped make vLLM 0.26's allocator
+            # unmap/release it a second time (CUDA errors, stale error codes for the next engine).
+            try:
+                await self._engine_wake_up()
+            except Exception:
+                log.warning("vLLM backend: wake_up before shutdown failed", exc_info=True)
+        engine, self._engine = self._engine, None
+        try:
+            with _keep_default_process_group(not self._owns_default_group):
+                engine.engine_core.shutdown()
+        finally:
+            # The LLMEngine holds the model until it is collected (its finalizer): drop it, then
+            # give the sleep-mode pool back so that a later engine in this process can start.
+            del engine
+            _release_device_memory()
+            held = _cumem_bytes_in_use()
+            if held:
+                log.warning("vLLM backend: %.0f MiB of vLLM's sleep-mode memory is still referenced after shutdown; "
+                            "a later vLLM engine in this process will fail to start", held / 2**20)
 
     def _engine_stats(self) -> dict[str, float]:
         steps, self._steps = self._steps, 0
         return {"steps": float(steps)}
+
+    def _request_problem(self, params: SampleParams) -> str | None:
+        return request_problem(params, [*params.stop_token_ids, *self.ctx.eos_token_ids])
 
     def _logprob_caveat(self, params: SampleParams) -> str | None:
         return logprob_caveat(self.config.logprobs_mode, params)

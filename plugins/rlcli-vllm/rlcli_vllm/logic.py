@@ -4,27 +4,38 @@ Matched against the vLLM 0.26.0 sources (wheel ``vllm-0.26.0-cp38-abi3-manylinux
 
 * ``vllm/sampling_params.py`` ``SamplingParams``: ``top_k=0`` disables top-k, a temperature below
   1e-5 means greedy (vLLM then forces top_p=1, top_k=0), temperatures in (0, 0.01) are raised to
-  0.01, ``min_tokens`` suppresses every id of ``_all_stop_token_ids`` (our ``stop_token_ids``),
-  ``ignore_eos=True`` only disables the tokenizer/generation-config EOS check, not
+  0.01 (with a warning per request), temperatures above 2 raise ``VLLMValidationError``,
+  ``min_tokens <= max_tokens`` and ``max_tokens >= 1`` are required; ``min_tokens`` suppresses
+  every id of ``_all_stop_token_ids``; ``ignore_eos=True`` only disables the EOS *stop* check, not
   ``stop_token_ids``; ``flat_logprobs=True`` returns ``FlatLogprobs``.
+* ``vllm/v1/engine/input_processor.py``: ``update_from_generation_config`` adds the model's
+  generation-config EOS ids to ``_all_stop_token_ids`` even with ``ignore_eos`` and even with
+  ``generation_config="vllm"`` (that setting only drops the sampling defaults), so
+  ``min_tokens`` also masks the model's EOS ids.
 * ``vllm/outputs.py`` ``RequestOutput`` / ``CompletionOutput``: ``request_id`` is the id given to
   ``add_request`` (vLLM appends a random suffix internally, ``abort_request`` takes either);
   ``token_ids`` and ``logprobs`` are deltas with ``RequestOutputKind.DELTA``
   (``vllm/v1/engine/output_processor.py`` slices ``logprobs[-len(token_ids):]``).
+  ``LLMEngine.abort_request`` produces no output (only ``AsyncLLM`` gets a final "abort" one).
 * ``vllm/logprobs.py``: ``FlatLogprobs(start_indices, end_indices, token_ids, logprobs, ranks,
   decoded_tokens)`` or ``list[dict[int, Logprob]]``; with ``logprobs=0`` each position holds the
   sampled token only.
 * ``vllm/v1/engine/__init__.py``: ``FINISH_REASON_STRINGS = ("stop", "length", "abort", "error",
-  "repetition")``.
-* ``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py``: ``logprobs_mode``
-  "raw_logprobs" is ``log_softmax`` of the raw logits (no temperature); "processed_logprobs" is
-  ``log_softmax`` after the logits processors (min-tokens masking), the temperature *and* the
-  top-k/top-p mask. vLLM has no mode with the temperature but without top-k/top-p.
+  "repetition")``; ``vllm/v1/core/sched/utils.py`` ``check_stop`` tests stop ids before the length
+  limit, so a stop id as the last allowed token finishes with "stop" (the contract's order).
+* Samplers: dense models (Qwen2, Llama, ...) run on the V2 model runner by default
+  (``vllm/config/vllm.py`` ``use_v2_model_runner``; ``vllm/v1/worker/gpu/sample/sampler.py``), MoE
+  models on V1 (``vllm/v1/sample/sampler.py``). In both, ``logprobs_mode`` "raw_logprobs" is
+  ``log_softmax`` of the raw logits (no temperature, no min-tokens mask); "processed_logprobs" is
+  ``log_softmax`` after the min-tokens mask, the temperature *and* the top-k/top-p mask (greedy
+  rows: temperature 1). vLLM has no mode with the temperature but without top-k/top-p. Seeds: V2
+  draws Gumbel noise from ``(seed, position)`` (free, batch-invariant); V1 keeps one
+  ``torch.Generator`` per seeded request (a per-row loop, slower).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -46,7 +57,7 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "seed": "the run's seed (trainer.seed)",
     "enable_sleep_mode": "always true (colocated sleep/wake_up)",
     "worker_extension_cls": "the plugin's weight-loading extension",
-    "generation_config": "'vllm': the model's generation_config.json never changes sampling",
+    "generation_config": "'vllm': the model's generation_config.json never changes sampling defaults",
     "logprobs_mode": "use the logprobs_mode option",
     "gpu_memory_utilization": "use the gpu_memory_utilization option",
     "max_model_len": "use the max_model_len option",
@@ -56,6 +67,13 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "enable_prefix_caching": "use the enable_prefix_caching option",
     "distributed_executor_backend": "the plugin runs the engine in process ('uni')",
 }
+
+# vLLM's SamplingParams accepts temperatures in [0, 2] and raises those in (0, MIN_TEMPERATURE) to it.
+MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 0.01
+# vLLM's V2 model runner masks at most this many stop ids during min_tokens; more raise a
+# ValueError inside the engine step (vllm/v1/worker/gpu/sample/logit_bias.py), failing the batch.
+MAX_MIN_TOKENS_STOP_IDS = 128
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -92,6 +110,20 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int) ->
         kw["enable_prefix_caching"] = cfg.enable_prefix_caching
     kw.update(cfg.engine_kwargs)
     return kw
+
+
+def engine_environment(dtype: torch.dtype, environ: Mapping[str, str]) -> dict[str, str]:
+    """Environment variables to set before vLLM builds an engine (those not set already).
+
+    float32: vLLM 0.26 serves it with its Triton attention backend (FlashAttention and FlashInfer
+    take fp16/bf16 only), and Triton's ``tl.dot`` on float32 inputs defaults to TF32; ``ieee`` keeps
+    attention in full float32, like the rest of the model (vLLM sets torch's float32 matmul
+    precision to "highest").
+    """
+    out: dict[str, str] = {}
+    if dtype == torch.float32 and "TRITON_F32_DEFAULT" not in environ:
+        out["TRITON_F32_DEFAULT"] = "ieee"
+    return out
 
 
 def check_engine_kwargs(extra: dict[str, Any], known: set[str] | None = None) -> list[tuple[str, str]]:
@@ -191,13 +223,40 @@ def finish_reason(reason: str | None) -> str | None:
     return "error"
 
 
+def request_problem(params: SampleParams, masked_ids: Sequence[int] = ()) -> str | None:
+    """Why vLLM would refuse ``params`` (an ``error`` message), or None.
+
+    ``masked_ids``: the ids vLLM's min-tokens mask would hold (the request's stop ids and the
+    model's EOS ids).
+    """
+    if params.temperature > MAX_TEMPERATURE:
+        return f"vLLM accepts temperatures in [0, {MAX_TEMPERATURE:g}], not {params.temperature:g}"
+    if params.min_tokens > 0 and len(set(masked_ids)) > MAX_MIN_TOKENS_STOP_IDS:
+        return (
+            f"vLLM's min_tokens mask holds at most {MAX_MIN_TOKENS_STOP_IDS} stop ids; this request has "
+            f"{len(set(masked_ids))} (stop_token_ids and EOS ids)"
+        )
+    return None
+
+
 def logprob_caveat(mode: str, params: SampleParams) -> str | None:
     """Why vLLM's logprobs for ``params`` under ``mode`` are not ``log_softmax(logits / T)``."""
     greedy = params.temperature == 0.0
+    if not greedy and params.temperature < MIN_TEMPERATURE:
+        return (
+            f"vLLM raises temperatures below {MIN_TEMPERATURE:g} to {MIN_TEMPERATURE:g}: requests at "
+            f"temperature {params.temperature:g} are sampled (and their logprobs computed) at {MIN_TEMPERATURE:g}"
+        )
     if mode == "processed_logprobs" and not greedy and (params.top_k > 0 or params.top_p < 1.0):
         return (
             "with logprobs_mode 'processed_logprobs' vLLM renormalises logprobs over the top-k/top-p set; "
             "the trainer's recomputed logprobs will differ for requests with top_k > 0 or top_p < 1"
+        )
+    if mode == "processed_logprobs" and params.min_tokens > 0:
+        return (
+            "with logprobs_mode 'processed_logprobs' vLLM leaves the stop ids (and the model's EOS ids, even "
+            "with ignore_eos) out of the normaliser for the first min_tokens tokens; the trainer's recomputed "
+            "logprobs will differ slightly there"
         )
     if mode == "raw_logprobs" and not greedy and params.temperature != 1.0:
         return (

@@ -8,10 +8,21 @@ cumulative_logprob, logprobs, routed_experts, finish_reason, stop_reason)``), ``
 ``has_unfinished_requests``, ``sleep``, ``wake_up``, ``collective_rpc``, ``reset_prefix_cache``,
 ``engine_core.shutdown``. The "model" is a hash of the context plus a weight offset that
 ``collective_rpc("rlcli_load_weights", ...)`` changes, so updates change outputs.
+
+Behaviour mirrored from vLLM 0.26.0 where the plugin depends on it: ``SamplingParams`` validates
+like ``vllm/sampling_params.py`` (``_verify_args``: temperature in [0, 2], top_p in (0, 1],
+top_k >= -1, max_tokens >= 1, min_tokens <= max_tokens; unknown fields raise) and clamps
+temperatures in (0, 0.01); ``RequestOutputKind`` is an enum; ``abort_request`` yields no output
+(``LLMEngine`` has no output queues); the stop check runs before the length check
+(``vllm/v1/core/sched/utils.py``); ``sleep``/``wake_up`` follow ``vllm/v1/executor/abstract.py``
+(sleeping twice or waking a tag that is awake only warns) and ``CuMemAllocator.wake_up`` (waking
+all tags after a partial wake maps the awake memory a second time: an error here); shutting the
+engine core down while asleep frees unmapped sleep-mode memory (an error here).
 """
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,11 +66,53 @@ class RequestOutput:
     finished: bool
 
 
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 class SamplingParams:
-    """Records the keyword arguments the plugin passes."""
+    """Records the keyword arguments the plugin passes; validates them like vLLM 0.26.0."""
+
+    FIELDS = {
+        "n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+        "temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "seed": None, "stop": None,
+        "stop_token_ids": None, "ignore_eos": False, "max_tokens": 16, "min_tokens": 0, "logprobs": None,
+        "prompt_logprobs": None, "flat_logprobs": False, "detokenize": True, "skip_special_tokens": True,
+        "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+        "output_kind": RequestOutputKind.CUMULATIVE,
+    }
 
     def __init__(self, **kw):
+        unknown = set(kw) - set(self.FIELDS)
+        if unknown:
+            raise TypeError(f"SamplingParams got unexpected keyword arguments {sorted(unknown)}")
+        self.__dict__.update(self.FIELDS)
         self.__dict__.update(kw)
+        if 0 < self.temperature < 0.01:
+            self.temperature = 0.01
+        if self.seed == -1:
+            self.seed = None
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}.")
+        if self.logprobs is not None and self.logprobs != -1 and self.logprobs < 0:
+            raise ValueError(f"logprobs must be non-negative or -1, got {self.logprobs}.")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        if self.temperature < 1e-5:  # greedy
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
 
 def next_token(context: list[int], shift: int, vocab: int) -> int:
@@ -84,13 +137,15 @@ class FakeLLMEngine:
         self.asleep: set[str] = set()
         self.calls: list[tuple] = []
         self.fail_next_step = False
-        self.engine_core = SimpleNamespace(shutdown=lambda: self.calls.append(("shutdown",)))
+        self.engine_core = SimpleNamespace(shutdown=self._shutdown)
         self.thread_ids: set[int] = set()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id, prompt, params):
         self.thread_ids.add(threading.get_ident())
-        assert params.output_kind in ("DELTA", "FINAL_ONLY")
+        assert isinstance(request_id, str)
+        assert params.output_kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY)
+        assert list(prompt) == ["prompt_token_ids"], prompt  # a TokensPrompt dict
         self.requests[request_id] = {"prompt": list(prompt["prompt_token_ids"]), "sp": params, "gen": []}
         self.calls.append(("add_request", request_id))
         return request_id + "-internal"
@@ -136,11 +191,11 @@ class FakeLLMEngine:
             flat.decoded_tokens.append(None)
             flat.end_indices.append(len(flat.token_ids))
             finish = None
-            if tok in stops and n + 1 >= min_tokens:
+            if tok in stops and n + 1 >= min_tokens:  # vLLM checks stop ids before the length limit
                 finish = "stop"
             elif n + 1 >= sp.max_tokens:
                 finish = "length"
-            if sp.output_kind == "FINAL_ONLY":
+            if sp.output_kind == RequestOutputKind.FINAL_ONLY:
                 if finish is None:
                     continue
                 flat, ids = None, list(r["gen"])  # (a bare-engine caller that asked for no logprobs)
@@ -164,14 +219,25 @@ class FakeLLMEngine:
     def sleep(self, level: int = 1, mode: str = "abort"):
         self.calls.append(("sleep", level))
         assert not self.requests, "slept with requests in flight"
+        if self.asleep:  # vLLM's executor: "Executor is already sleeping." (warning only)
+            return
         self.asleep = {"weights", "kv_cache"}
 
     def wake_up(self, tags=None):
         self.calls.append(("wake_up", None if tags is None else tuple(tags)))
-        if tags is None:
-            self.asleep = set()
-        else:
-            self.asleep -= set(tags)
+        if not self.asleep:  # "Executor is not sleeping." (warning only)
+            return
+        if tags and any(t not in self.asleep for t in tags):  # "Tag ... is not in sleeping tags" (warning only)
+            return
+        if tags is None and self.asleep != {"weights", "kv_cache"}:
+            # CuMemAllocator.wake_up(None) maps every allocation, the awake ones a second time
+            raise RuntimeError("CUDA Error: cuMemMap failed (memory already mapped)")
+        self.asleep = set() if tags is None else self.asleep - set(tags)
+
+    def _shutdown(self):
+        self.calls.append(("shutdown",))
+        if self.asleep:
+            raise RuntimeError(f"freed sleep-mode memory that is unmapped ({sorted(self.asleep)} asleep)")
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.calls.append(("collective_rpc", method))
@@ -195,8 +261,7 @@ class FakeVLLMBackend(VLLMBackend):
 
     @staticmethod
     def _load_api():
-        return SimpleNamespace(SamplingParams=SamplingParams,
-                               RequestOutputKind=SimpleNamespace(DELTA="DELTA", FINAL_ONLY="FINAL_ONLY"))
+        return SimpleNamespace(SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind)
 
     def _build_engine(self, api):
         self.fake = FakeLLMEngine(self.model_info.vocab_size, self.step_s)

@@ -147,6 +147,35 @@ def test_sleep_and_wake_without_update_wake_everything(backend):
         backend.sleep(3)
 
 
+def test_shutdown_while_asleep_wakes_vllm_first(tiny_qwen2):
+    # the kit's sleep_wake check fails (by design) between sleep() and wake_up(), then shuts down
+    be = FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    be.sleep(1)
+    be.shutdown()
+    assert [c for c in be.fake.calls if c[0] in ("sleep", "wake_up", "shutdown")] == [
+        ("sleep", 1), ("wake_up", None), ("shutdown",)]
+    # weights woken by an update while asleep: only the KV cache is still asleep
+    be = FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    be.sleep(2)
+    be.update_weights(_named(tiny_qwen2, 1.5), 1)
+    be.shutdown()
+    assert [c for c in be.fake.calls if c[0] in ("sleep", "wake_up", "shutdown")] == [
+        ("sleep", 1), ("wake_up", ("weights",)), ("wake_up", ("kv_cache",)), ("shutdown",)]
+    assert not be.fake.asleep
+
+
+def test_temperatures_vllm_refuses_error_before_the_engine(backend):
+    async def main():
+        return await asyncio.gather(gen(backend, [1, 2], max_tokens=3, temperature=2.5),
+                                    gen(backend, [1, 2], max_tokens=3, temperature=2.0, ignore_eos=True),
+                                    gen(backend, [1, 2], max_tokens=3, temperature=0.005, ignore_eos=True))
+
+    hot, edge, cold = asyncio.run(main())
+    assert hot.finish_reason == "error" and "[0, 2]" in hot.error
+    assert edge.finish_reason == "length" and cold.finish_reason == "length"
+    assert sum(c[0] == "add_request" for c in backend.fake.calls) == 2
+
+
 def test_engine_step_failure_fails_requests_and_the_backend_recovers(backend):
     backend.fake.fail_next_step = True
     out = asyncio.run(gen(backend, [2, 3], max_tokens=5, ignore_eos=True))

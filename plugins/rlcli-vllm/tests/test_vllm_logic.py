@@ -15,9 +15,11 @@ from rlcli_vllm.logic import (
     MANAGED_ENGINE_KWARGS,
     WORKER_EXTENSION,
     check_engine_kwargs,
+    engine_environment,
     engine_kwargs,
     finish_reason,
     logprob_caveat,
+    request_problem,
     sampling_kwargs,
     token_logprobs,
 )
@@ -132,6 +134,40 @@ def test_logprob_caveats_name_the_inexact_cases():
     assert "top-k/top-p" in logprob_caveat("processed_logprobs", SampleParams(temperature=1.0, top_p=0.9))
     assert logprob_caveat("raw_logprobs", SampleParams(temperature=1.0, top_k=5, top_p=0.5)) is None
     assert "temperature 0.6" in logprob_caveat("raw_logprobs", SampleParams(temperature=0.6))
+
+
+def test_logprob_caveats_for_clamped_temperatures_and_min_tokens():
+    assert "raises temperatures below 0.01" in logprob_caveat("processed_logprobs", SampleParams(temperature=0.004))
+    assert "raises temperatures below 0.01" in logprob_caveat("raw_logprobs", SampleParams(temperature=0.004))
+    assert "min_tokens" in logprob_caveat("processed_logprobs", SampleParams(max_tokens=8, min_tokens=8))
+    assert "min_tokens" in logprob_caveat("processed_logprobs", SampleParams(temperature=0.0, min_tokens=2))
+    assert logprob_caveat("raw_logprobs", SampleParams(max_tokens=8, min_tokens=8)) is None  # raw: no mask
+
+
+def test_request_problem_mirrors_vllm_temperature_range():
+    assert request_problem(SampleParams(temperature=2.0)) is None
+    assert request_problem(SampleParams(temperature=0.0)) is None
+    assert "[0, 2]" in request_problem(SampleParams(temperature=2.01))
+    many = list(range(129))
+    assert "at most 128 stop ids" in request_problem(SampleParams(min_tokens=1), many)
+    assert request_problem(SampleParams(min_tokens=0), many) is None  # no mask without min_tokens
+    assert request_problem(SampleParams(min_tokens=1), many[:128] + [0]) is None
+
+
+def test_engine_environment_keeps_float32_attention_out_of_tf32():
+    assert engine_environment(torch.float32, {}) == {"TRITON_F32_DEFAULT": "ieee"}
+    assert engine_environment(torch.float32, {"TRITON_F32_DEFAULT": "tf32"}) == {}  # the user's choice stays
+    assert engine_environment(torch.bfloat16, {}) == {} and engine_environment(torch.float16, {}) == {}
+
+
+def test_sampling_kwargs_are_accepted_by_vllms_validation():
+    from fake_vllm import RequestOutputKind, SamplingParams  # validates like vllm/sampling_params.py
+
+    for p in (SampleParams(), SampleParams(temperature=0.0, top_k=7, top_p=0.3), SampleParams(temperature=2.0),
+              SampleParams(max_tokens=4, min_tokens=4, top_k=100000, stop_token_ids=[3, 4])):
+        sp = SamplingParams(**sampling_kwargs(p, stop_ids=p.stop_token_ids, budget=p.max_tokens, seed=2**63 - 1),
+                            output_kind=RequestOutputKind.DELTA)
+        assert sp.max_tokens == p.max_tokens and sp.logprobs == 0
 
 
 def test_check_config_names_the_exact_install_line(monkeypatch):
