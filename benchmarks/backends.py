@@ -441,19 +441,24 @@ def section_conformance(engine: str, root: Path) -> None:
     a, b = bc.make_tiny_model_dirs(root / "kit", arch="qwen2", **spec)
     make_backend, options, dtype = conformance_setup(engine, device)
     by_design = BY_DESIGN.get(engine, {})
-    for name, check in bc.ALL_CHECKS.items():
-        if time_left() < 30:
-            result(what="check", engine=engine, check=name, status="not run", detail="time budget of the device call")
-            continue
-        t = time.perf_counter()
-        try:
-            args = (make_backend, a, b) if name == "weight_update" else (make_backend, a)
-            check(*args, **options.get(name, {}))
-            status, detail = "pass", ""
-        except Exception as exc:  # AssertionError or an engine failure: recorded, the rest runs
-            status, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-        result(what="check", engine=engine, check=name, status=status, detail=detail,
-               by_design=by_design.get(name, ""), seconds=round(time.perf_counter() - t, 1), dtype=str(dtype))
+    # Consecutive checks share one engine (a failing check's engine is replaced): about 4 engine
+    # start-ups for the whole kit instead of one per check.
+    with bc.reusing_backends() as shared:
+        for name, check in bc.ALL_CHECKS.items():
+            if time_left() < 30:
+                result(what="check", engine=engine, check=name, status="not run",
+                       detail="time budget of the device call")
+                continue
+            t = time.perf_counter()
+            try:
+                args = (make_backend, a, b) if name == "weight_update" else (make_backend, a)
+                check(*args, **options.get(name, {}))
+                status, detail = "pass", ""
+            except Exception as exc:  # AssertionError or an engine failure: recorded, the rest runs
+                status, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            result(what="check", engine=engine, check=name, status=status, detail=detail,
+                   by_design=by_design.get(name, ""), seconds=round(time.perf_counter() - t, 1), dtype=str(dtype))
+    result(what="conformance_engines_built", engine=engine, count=shared.built)
     extras = [("logprobs_in_exact_range", lambda: exact_range_logprobs(engine, make_backend, a))]
     extras.append(("sleep_releases_device_memory", lambda: sleep_releases_memory(make_backend, a)))
     for name, fn in extras:

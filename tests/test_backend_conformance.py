@@ -67,3 +67,40 @@ def test_sleep_wake_releases_cuda_memory(tmp_path):
     bc.check_sleep_wake(make_cuda, a, min_release_fraction=0.9)
     bc.check_greedy_matches_reference(make_cuda, a)
     bc.check_logprobs_match_forward(make_cuda, a, atol=1e-3)
+
+
+def test_reusing_backends_builds_few_and_isolates_failures(tmp_path):
+    """reuse=True: consecutive checks share one backend (4 builds for the 10 checks: the model,
+    the other model and the model again in weight_update, and sleep_wake's own), at most one is
+    alive at a time, every one is shut down at the end, and a failing check's backend is not
+    handed to the next check."""
+    a, b = bc.make_tiny_model_dirs(tmp_path, arch="llama", seed=13)
+    built, alive = [], set()
+
+    class Tracked(EmbeddedBackend):
+        def shutdown(self):
+            alive.discard(id(self))
+            super().shutdown()
+
+    def make(model_dir):
+        be = Tracked(EmbeddedBackend.Config(max_batch_size=64), bc.default_context(model_dir))
+        assert not alive, "a second backend was built while another was alive"
+        built.append(be)
+        alive.add(id(be))
+        return be
+
+    with bc.reusing_backends() as shared:
+        ran = bc.run_all(make, a, b, options={"greedy_matches_reference": {"max_tokens": 8}})
+        assert len(ran) == len(bc.ALL_CHECKS)
+    assert shared.built == len(built) == 4
+    assert not alive
+
+    # a failing check: its backend is shut down, the next check gets a new one
+    built.clear()
+    with bc.reusing_backends():
+        with pytest.raises(AssertionError):
+            bc.check_greedy_matches_reference(make, a, prompts=[[5, 6]], max_tokens=4, min_exact_fraction=2.0)
+        assert not alive
+        bc.check_stop_and_length(make, a)
+        assert len(built) == 2 and alive == {id(built[1])}
+    assert not alive

@@ -389,3 +389,11 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     assert "| vllm 0.26.0 | 2026-12-01 | NVIDIA H200 | 1/3 pass; FAIL: sleep_wake; not run: many_concurrent | not run |" in md
     assert "| 20,000 | 15,000 | 21,000 | 0.95 |" in md
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
+
+
+def test_shared_runtime_passes_the_kit_with_reused_backends(kit_dirs):
+    """The engine runtime serves consecutive checks from one backend (each check runs on a new
+    event loop), as benchmarks/backends.py runs the kit against engines with a slow start-up."""
+    with bc.reusing_backends() as shared:
+        ran = bc.run_all(_make_kit_backend, kit_dirs[0], kit_dirs[1])
+    assert len(ran) == len(bc.ALL_CHECKS) and shared.built == 4

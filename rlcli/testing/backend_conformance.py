@@ -13,7 +13,8 @@ backend misbehaves, so a backend author can call it from any test runner::
         bc.run_all(make_backend, model_dir, other_dir)
 
 A *factory* ``make_backend(model_dir) -> InferenceBackend`` builds a fresh backend for a
-Hugging Face model directory; checks shut down every backend they build. References are
+Hugging Face model directory; checks shut down every backend they build, except inside
+:func:`reusing_backends` (``run_all(..., reuse=True)``), where consecutive checks share one. References are
 computed with ``transformers`` in float32 on CPU: greedy continuations with
 ``generate(do_sample=False)`` and logprobs with ``log_softmax(model(prompt + response).logits
 / T)``. Engines that compute in bfloat16 or whose kernels depend on the batch can loosen the
@@ -26,6 +27,7 @@ when the backend's context names a CUDA device.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 import time
@@ -58,6 +60,7 @@ __all__ = [
     "check_sleep_wake",
     "ALL_CHECKS",
     "run_all",
+    "reusing_backends",
 ]
 
 
@@ -191,15 +194,78 @@ def _random_prompts(model_dir, n: int, rng: random.Random, eos_ids, lengths=(1, 
 
 
 def _run(main: Callable[[], Any]) -> Any:
-    """Run an async check body on a fresh event loop."""
-    return asyncio.run(main())
+    """Run an async check body on a fresh event loop. A failing check shuts down the backend it
+    shares (:func:`reusing_backends`), so the next check starts clean."""
+    try:
+        return asyncio.run(main())
+    except BaseException:
+        if _SHARED is not None:
+            _SHARED.close()
+        raise
 
 
-def _build(make_backend: BackendFactory, model_dir) -> InferenceBackend:
+class _Shared:
+    """The one live backend that checks share inside :func:`reusing_backends`."""
+
+    def __init__(self) -> None:
+        self.key: tuple[int, str] | None = None
+        self.backend: InferenceBackend | None = None
+        self.built = 0
+
+    def close(self) -> None:
+        backend, self.backend, self.key = self.backend, None, None
+        if backend is not None:
+            backend.shutdown()
+
+
+_SHARED: _Shared | None = None
+
+
+@contextlib.contextmanager
+def reusing_backends():
+    """Within this block, consecutive checks on the same factory and model directory share one
+    backend instead of building one each: for engines whose start-up takes a minute, this is
+    what makes the whole kit fit in one sitting. At most one backend is alive at a time (some
+    engines allow one per process); a check that fails shuts its backend down, so the next check
+    starts clean; each check hands the backend back resumed. :func:`check_sleep_wake` always
+    builds its own (it measures the memory a backend holds). Yields an object whose ``built``
+    counts the backends built."""
+    global _SHARED
+    previous, _SHARED = _SHARED, _Shared()
+    shared = _SHARED
+    try:
+        yield shared
+    finally:
+        _SHARED = previous
+        shared.close()
+
+
+def _build(make_backend: BackendFactory, model_dir, fresh: bool = False) -> InferenceBackend:
+    shared = _SHARED
+    key = (id(make_backend), str(model_dir))
+    if shared is not None:
+        if not fresh and shared.key == key and shared.backend is not None:
+            return shared.backend
+        shared.close()  # one live backend at a time
     backend = make_backend(model_dir)
     if not isinstance(backend, InferenceBackend):
         raise AssertionError(f"the factory returned {type(backend).__name__}, not an InferenceBackend")
+    if shared is not None:
+        shared.built += 1
+        if not fresh:
+            shared.key, shared.backend = key, backend
     return backend
+
+
+def _done(backend: InferenceBackend) -> None:
+    """End a check's use of ``backend``: shut it down, unless it is the shared backend of
+    :func:`reusing_backends` (then it is handed back resumed; :func:`_run` shuts it down if the
+    check fails)."""
+    shared = _SHARED
+    if shared is not None and shared.backend is backend:
+        backend.resume()
+        return
+    backend.shutdown()
 
 
 def _eos(backend: InferenceBackend) -> list[int]:
@@ -252,7 +318,7 @@ def check_greedy_matches_reference(
             outs = await asyncio.gather(*(_gen(backend, p, temperature=0.0, max_tokens=max_tokens) for p in reqs))
             version = backend.version
         finally:
-            backend.shutdown()
+            _done(backend)
         exact = 0
         for i, p in enumerate(ps):
             a, b = outs[2 * i], outs[2 * i + 1]
@@ -299,7 +365,7 @@ def check_logprobs_match_forward(
             jobs.append((ps[1], dict(temperature=0.8, top_k=3, max_tokens=max_tokens, ignore_eos=True), 8))
             outs = await asyncio.gather(*(_gen(backend, p, seed=s, **kw) for p, kw, s in jobs))
         finally:
-            backend.shutdown()
+            _done(backend)
         for (p, kw, _), out in zip(jobs, outs):
             what = f"prompt {p} with {kw}"
             _check_shape(out, what, max_tokens)
@@ -370,7 +436,7 @@ def check_stop_and_length(make_backend: BackendFactory, model_dir: str | Path, *
                         f"EOS: expected {g[: k + 1]} (stop), got {res.token_ids} ({res.finish_reason})"
                     )
         finally:
-            backend.shutdown()
+            _done(backend)
 
     _run(main)
 
@@ -411,7 +477,7 @@ def check_min_tokens(make_backend: BackendFactory, model_dir: str | Path, *, min
                     )
                     assert out.finish_reason == _expected_finish(out.token_ids, stops)
         finally:
-            backend.shutdown()
+            _done(backend)
 
     _run(main)
 
@@ -441,7 +507,7 @@ def check_seeded_sampling_batch_invariant(
             tasks.append(_gen(backend, p, seed=4321, **kw))
             outs = await asyncio.gather(*tasks)
         finally:
-            backend.shutdown()
+            _done(backend)
         mixed, again, other = outs[n_others // 2], outs[-2], outs[-1]
         assert mixed.token_ids == alone.token_ids, (
             f"seeded request differs inside a batch:\n  alone {alone.token_ids}\n  batch {mixed.token_ids}"
@@ -529,7 +595,7 @@ def check_pause_returns_partial_and_continue(
                         "partial + continuation differs from the uninterrupted greedy run"
                     )
         finally:
-            backend.shutdown()
+            _done(backend)
 
     _run(main)
 
@@ -563,7 +629,7 @@ def check_weight_update(
             ps = _random_prompts(model_dir, 4, random.Random(7), eos)
             expected = [o.token_ids for o in await greedy(backend, ps)]
         finally:
-            backend.shutdown()
+            _done(backend)
 
         backend = _build(make_backend, model_dir)
         try:
@@ -616,7 +682,7 @@ def check_weight_update(
             back = [o.token_ids for o in await greedy(backend, ps)]
             assert back == before, "restoring the original weights did not restore the original outputs"
         finally:
-            backend.shutdown()
+            _done(backend)
 
     _run(main)
 
@@ -677,7 +743,7 @@ def check_many_concurrent(
                     if i % 4 == 0:
                         solo[tuple(p)] = (await _gen(backend, p, temperature=0.0, max_tokens=max_tokens)).token_ids
         finally:
-            backend.shutdown()
+            _done(backend)
         greedy: dict[tuple, list[int]] = {}
         for (p, kw), out in zip(jobs, outs):
             what = f"request {p} {kw}"
@@ -720,7 +786,7 @@ def check_invalid_requests_isolated(make_backend: BackendFactory, model_dir: str
             results = await asyncio.gather(*tasks, return_exceptions=True)
             after = [(await _gen(backend, p, temperature=0.0, max_tokens=8)).token_ids for p in ps]
         finally:
-            backend.shutdown()
+            _done(backend)
         for p, res, want in zip(ps, results[: len(ps)], good_alone):
             assert isinstance(res, GenerateOutput), f"a good request failed next to bad ones: {res!r}"
             assert res.token_ids == want, f"good request {p} changed next to bad ones"
@@ -750,11 +816,13 @@ def check_sleep_wake(
     after building it, minus before), and ``sleep(1)`` releases some."""
 
     async def main():
+        if _SHARED is not None:  # measure what this check's own backend holds
+            _SHARED.close()
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
-        backend = _build(make_backend, model_dir)
+        backend = _build(make_backend, model_dir, fresh=True)
         on_cuda = cuda and torch.device(backend.ctx.device).type == "cuda"
         try:
             eos = _eos(backend)
@@ -785,7 +853,7 @@ def check_sleep_wake(
                 again = await outputs()
                 assert again == ref, f"outputs changed after sleep({level})/wake_up(): {again} vs {ref}"
         finally:
-            backend.shutdown()
+            _done(backend)
 
     _run(main)
 
@@ -812,10 +880,17 @@ def run_all(
     *,
     skip: Iterable[str] = (),
     options: dict[str, dict[str, Any]] | None = None,
+    reuse: bool = False,
 ) -> list[str]:
     """Run every check (except those named in ``skip``); ``options[name]`` are keyword
     arguments for that check. Returns the names of the checks that ran; the first failure
-    raises ``AssertionError`` prefixed with the check's name."""
+    raises ``AssertionError`` prefixed with the check's name. ``reuse``: checks share backends
+    (:func:`reusing_backends`; for engines with a slow start-up)."""
+    with reusing_backends() if reuse else contextlib.nullcontext():
+        return _run_checks(make_backend, model_dir, other_model_dir, skip, options)
+
+
+def _run_checks(make_backend, model_dir, other_model_dir, skip, options) -> list[str]:
     skip = set(skip)
     unknown = (skip | set(options or {})) - set(ALL_CHECKS)
     if unknown:
