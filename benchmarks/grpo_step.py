@@ -2,6 +2,8 @@
 
     python benchmarks/grpo_step.py --all --out results/            # everything below, in one process
     python benchmarks/grpo_step.py --engine --rlcli                # skip TRL
+    python benchmarks/grpo_step.py --all --engine-plugin sglang \
+        --variant sglang:rollout.name=sglang,rollout.mem_fraction_static=0.3   # + a backend plugin, same run
 
 Work (the issue's reference workload): a random-init Qwen2.5-0.5B-shaped model (24 layers,
 hidden 896, 14/2 heads, vocab 151,936, tied embeddings) in bf16 with an offline word-level
@@ -41,6 +43,7 @@ DTYPE = torch.bfloat16
 RESULTS: list[dict] = []
 PROFILE_DIR: Path | None = None  # --profile: torch.profiler tables are written here
 PROFILE_WHAT = "all"  # or "train": only the train step is profiled
+ENGINE_PLUGINS: list = []  # --engine-plugin: plugin modules registered for the rlcli runs (not pip-installed here)
 
 
 def profiled(name: str):
@@ -255,7 +258,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
                    "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
     }
     raw = apply_overrides(raw, list(overrides or []))
-    rec = validate_recipe(raw, registry=registry_with(BenchPlugin()))
+    rec = validate_recipe(raw, registry=registry_with(BenchPlugin(), *ENGINE_PLUGINS))
     runner = ColocateRunner(rec, quiet=True, overwrite=True)
     rows = []
     orig_log = runner.log
@@ -300,7 +303,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     gb = measured[-1].get("sync/bytes", 0) / 1e9
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    result(what="rlcli", backend="embedded", label=label, overrides=list(overrides or []),
+    result(what="rlcli", backend=rec.rollout.name, label=label, overrides=list(overrides or []),
            steps_measured=len(measured),
            step_s_median=round(statistics.median(step_s), 3), step_s_min=round(min(step_s), 3),
            step_s_max=round(max(step_s), 3), rollout_s=round(statistics.median(roll), 3),
@@ -371,7 +374,7 @@ def write_outputs(out: Path) -> None:
              "| framework | step median (s) | min-max (s) | rollout (s) | train (s) | sync (s) | gen tok/s | MFU | peak GiB |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in variants:
-        name = "rlcli (embedded)" if r.get("label", "embedded") == "embedded" else f"rlcli ({r['label']}: {' '.join(r['overrides'])})"
+        name = f"rlcli ({r.get('backend', 'embedded')})" if r.get("label", "embedded") == "embedded" else f"rlcli ({r['label']}: {' '.join(r['overrides'])})"
         lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
                      f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r['train_mfu']} | {r['peak_gib']} |")
     if "trl" in by:
@@ -411,6 +414,9 @@ def main() -> None:
                     help="one more rlcli run with these overrides (on top of --set), labelled NAME (repeatable)")
     ap.add_argument("--engine-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="one more engine run with these backend settings, e.g. compiled:compile=true (repeatable)")
+    ap.add_argument("--engine-plugin", action="append", default=[], choices=["vllm", "sglang", "lmdeploy"],
+                    help="register plugins/rlcli-<NAME> for the rlcli runs without installing it (repeatable); "
+                    "then e.g. --variant sglang:rollout.name=sglang,rollout.mem_fraction_static=0.3")
     ap.add_argument("--profile", nargs="?", const="all", choices=["all", "train"],
                     help="torch.profiler tables (into --out, else printed): 'all' = one engine call, one whole "
                     "GRPO step and one train step; 'train' = the train step only (cheaper)")
@@ -426,6 +432,11 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     model_dir = make_model_dir(root / "model")
     data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
+    for name in args.engine_plugin:
+        import importlib
+
+        sys.path.insert(0, str(REPO / "plugins" / f"rlcli-{name}"))
+        ENGINE_PLUGINS.append(importlib.import_module(f"rlcli_{name}"))
     if args.profile:
         PROFILE_DIR = args.out or (root / "profile")
     global PROFILE_WHAT

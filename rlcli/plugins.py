@@ -176,9 +176,12 @@ def get_registry(refresh: bool = False) -> Registry:
 
 
 def registry_with(*plugins: Any) -> Registry:
-    """A fresh registry with extra in-process plugin objects registered (for tests and embedding)."""
+    """A fresh registry with extra in-process plugin objects registered (for tests and embedding).
+    A plugin module that its installed distribution already registered is not registered twice."""
     pm, registry = build_plugin_manager()
     for i, plugin in enumerate(plugins):
+        if pm.is_registered(plugin):
+            continue
         pm.register(plugin, name=f"inline-{i}-{getattr(plugin, '__name__', type(plugin).__name__)}")
         registry.dists[id(plugin)] = ("<inline>", "-")
     _fill(pm, registry)

@@ -104,3 +104,11 @@ def test_every_hook_is_documented(repo):
     assert set(hooks) == set(KINDS.values())
     for h in hooks:
         assert re.search(rf"^##+ `{h}\(\)`", text, re.M), f"docs/plugins.md does not document {h}()"
+
+
+def test_registry_with_skips_a_plugin_its_distribution_already_registered():
+    """Benchmarks register plugin modules by hand for machines where they are not installed;
+    where the distribution is installed too, the module is registered once, not refused."""
+    mod = pytest.importorskip("rlcli_math_verify")
+    reg = registry_with(mod)
+    assert "math_verify" in reg.names("judger")
