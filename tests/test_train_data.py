@@ -300,3 +300,18 @@ def test_fused_chunked_logprobs_match_eager_on_cuda(unit_temperature):
 
     for a, b in zip(run(True), run(False)):
         assert torch.allclose(a, b, atol=2e-3, rtol=2e-2), (a - b).abs().max()
+
+
+def test_dlogits_eager_equals_the_compilable_form():
+    from rlcli.train.worker import _dlogits, _dlogits_eager
+
+    torch.manual_seed(4)
+    logits = torch.randn(9, 31) * 2
+    labels = torch.randint(0, 31, (9,))
+    g, it = torch.randn(9), torch.rand(9) + 0.5
+    lse = torch.logsumexp(logits * it[:, None], dim=-1)
+    for inv_t in (None, it):
+        l = lse if inv_t is not None else torch.logsumexp(logits, dim=-1)
+        want = _dlogits(logits, l, labels, g, inv_t)
+        got = _dlogits_eager(logits.clone(), l, labels, g, inv_t)
+        assert torch.allclose(got, want, atol=1e-6)

@@ -118,7 +118,9 @@ def _dlogits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: t
              inv_temp: torch.Tensor | None) -> torch.Tensor:
     """``d(g * logp[label]) / d logits = g * (onehot(label) - softmax) * inv_temp`` in the logits dtype.
 
-    ``g``: float32 ``[n]`` upstream gradient, already multiplied by ``inv_temp``. One pointwise pass.
+    ``g``: float32 ``[n]`` upstream gradient, already multiplied by ``inv_temp``. Written with a
+    one-hot comparison so that ``torch.compile`` makes it one pointwise pass (see
+    :func:`_dlogits_eager` for the eager form).
     """
     x = logits.float()
     if inv_temp is not None:
@@ -127,6 +129,18 @@ def _dlogits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: t
     cols = torch.arange(x.shape[1], device=x.device)
     onehot = (cols.unsqueeze(0) == labels.unsqueeze(1)).to(x.dtype)
     return ((onehot - p) * g.unsqueeze(1)).to(logits.dtype)
+
+
+def _dlogits_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Tensor,
+                   inv_temp: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_dlogits` in place in one float32 buffer, without a ``[n, vocab]`` one-hot (eager).
+    ``logits`` is a chunk's temporary: when it is float32 already it is overwritten."""
+    x = logits.float()
+    if inv_temp is not None:
+        x.mul_(inv_temp.unsqueeze(1))
+    d = x.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
+    d.scatter_add_(1, labels.unsqueeze(1), g.unsqueeze(1))
+    return d.to(logits.dtype)
 
 
 class _FusedMath:
@@ -146,16 +160,18 @@ class _FusedMath:
             self.compiled[name] = torch.compile(fn, dynamic=True)
         return self.compiled[name]
 
-    def call(self, name: str, fn, device: torch.device, enabled: bool, *args):
+    def call(self, name: str, fn, device: torch.device, enabled: bool, *args, eager=None):
+        """``fn(*args)``, compiled when enabled on CUDA; ``eager`` (default ``fn``) runs otherwise."""
+        eager = eager or fn
         f = self.get(name, fn, device, enabled)
         if f is fn:
-            return fn(*args)
+            return eager(*args)
         try:
             return f(*args)
         except Exception:  # compilation is an optimisation: never let it fail a step
             log.warning("torch.compile of the logprob math failed; using eager PyTorch", exc_info=True)
             self.broken = True
-            return fn(*args)
+            return eager(*args)
 
 
 _FUSED = _FusedMath()
@@ -220,7 +236,8 @@ class _ChunkedLogprob(torch.autograd.Function):
             g = grad_logp[s:e].float()
             if it is not None:
                 g = g * it
-            dl = _FUSED.call("dlogits", _dlogits, hidden.device, ctx.fused, logits, lse_all[s:e], labels[s:e], g, it)
+            dl = _FUSED.call("dlogits", _dlogits, hidden.device, ctx.fused, logits, lse_all[s:e], labels[s:e], g, it,
+                             eager=_dlogits_eager)
             del logits
             if need_h:
                 grad_h[s:e] = dl @ weight
