@@ -397,3 +397,45 @@ def test_shared_runtime_passes_the_kit_with_reused_backends(kit_dirs):
     with bc.reusing_backends() as shared:
         ran = bc.run_all(_make_kit_backend, kit_dirs[0], kit_dirs[1])
     assert len(ran) == len(bc.ALL_CHECKS) and shared.built == 4
+
+
+def test_float32_refusal_is_reported_in_validate_and_before_the_engine_starts(kit_dirs):
+    class NoFloat32(_KitEngine):
+        float32_refusal = "this engine has no float32 kernels; set model.dtype: bfloat16"
+
+    class Fake:
+        pass
+
+    recipe = Fake()
+    recipe.rollout, recipe.resources, recipe.model = Fake(), Fake(), Fake()
+    recipe.rollout.name, recipe.resources.device, recipe.model.dtype = NoFloat32.name, "cpu", "float32"
+    assert NoFloat32.check_recipe(recipe) == [("model.dtype", NoFloat32.float32_refusal)]
+    assert _KitEngine.check_recipe(recipe) == []  # no refusal set: float32 is fine
+    recipe.model.dtype = "bfloat16"
+    assert NoFloat32.check_recipe(recipe) == []
+    with pytest.raises(ValueError, match="no float32 kernels"):
+        NoFloat32(NoFloat32.Config(), bc.default_context(kit_dirs[0], dtype=torch.float32))
+
+
+def test_engine_plugin_gpu_tests_skip_with_the_exact_reason(tmp_path):
+    """A plugin's gpu tests are skipped with the engine's install line when it is missing; tests
+    elsewhere and non-gpu tests are left alone."""
+    from types import SimpleNamespace
+
+    from rlcli.testing.engine_plugins import gpu_skip_reason, skip_gpu_tests_without_engine
+
+    missing = runtime.EnginePackage(label="Nope", distribution="nope-engine", module="nope_engine_xyz",
+                                    tested="1.0", minimum="1.0", plugin="rlcli-nope")
+    reason = gpu_skip_reason(missing)
+    assert "cannot be imported" in reason and 'pip install "rlcli-nope[engine]"' in reason
+
+    class Item(SimpleNamespace):
+        def add_marker(self, marker, append=True):
+            self.markers.append(marker)
+
+    ours_gpu = Item(keywords={"gpu": 1}, path=tmp_path / "tests" / "test_a.py", markers=[])
+    ours_cpu = Item(keywords={}, path=tmp_path / "tests" / "test_b.py", markers=[])
+    other_gpu = Item(keywords={"gpu": 1}, path=tmp_path / "elsewhere" / "test_c.py", markers=[])
+    skip_gpu_tests_without_engine(missing, [ours_gpu, ours_cpu, other_gpu], tmp_path / "tests")
+    assert [m.kwargs["reason"] for m in ours_gpu.markers] == [reason]
+    assert not ours_cpu.markers and not other_gpu.markers

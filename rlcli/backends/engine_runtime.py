@@ -390,6 +390,9 @@ class EngineBackend(InferenceBackend, abc.ABC):
     requires_cuda: ClassVar[bool] = True
     startup_timeout_s: ClassVar[float | None] = None  # engine start-up can take minutes (compilation)
     shutdown_timeout_s: ClassVar[float] = 120.0
+    # Set when the engine cannot serve float32 models: the reason, refused in `rlcli validate`
+    # (model.dtype) and before the engine is built.
+    float32_refusal: ClassVar[str | None] = None
 
     @classmethod
     def check_config(cls, cfg) -> list[tuple[str, str]]:
@@ -418,6 +421,8 @@ class EngineBackend(InferenceBackend, abc.ABC):
         problem = self.engine.problem() if self.requires_cuda else None
         if problem is not None:
             raise RuntimeError(problem)
+        if self.float32_refusal and ctx.dtype == torch.float32:
+            raise ValueError(self.float32_refusal)
         self.model_info = read_model_info(ctx.model_dir)
         self.max_model_len: int | None = self._resolve_max_model_len()
         self._version = int(ctx.version)
@@ -449,12 +454,14 @@ class EngineBackend(InferenceBackend, abc.ABC):
     @classmethod
     def check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
         """``rlcli validate``: problems of a recipe whose rollout backend is this one."""
-        if getattr(getattr(recipe, "rollout", None), "name", None) != cls.name or not cls.requires_cuda:
+        if getattr(getattr(recipe, "rollout", None), "name", None) != cls.name:
             return []
         issues = []
-        if getattr(getattr(recipe, "resources", None), "device", "auto") == "cpu":
+        if cls.requires_cuda and getattr(getattr(recipe, "resources", None), "device", "auto") == "cpu":
             issues.append(("resources.device", f"the {cls.engine.label} backend runs on CUDA GPUs, not on the CPU "
                                                f"(use rollout.name=embedded there)"))
+        if cls.float32_refusal and getattr(getattr(recipe, "model", None), "dtype", "auto") == "float32":
+            issues.append(("model.dtype", cls.float32_refusal))
         return issues + cls._check_recipe(recipe)
 
     @classmethod

@@ -61,6 +61,8 @@ class LMDeployBackend(EngineBackend):
     name: ClassVar[str] = "lmdeploy"
     engine = ENGINE
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
+    float32_refusal = ("LMDeploy's PyTorch engine serves bfloat16 or float16 models, not float32 "
+                       "(set model.dtype to bfloat16, or auto on a GPU)")
 
     class Config(ComponentConfig):
         cache_max_entry_count: float = Field(
@@ -103,13 +105,6 @@ class LMDeployBackend(EngineBackend):
         self._sessions = itertools.count(1)
         self._asleep_tags: set[str] = set()
         super().__init__(config, ctx)
-
-    @classmethod
-    def _check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
-        if getattr(getattr(recipe, "model", None), "dtype", "auto") == "float32":
-            return [("model.dtype", "LMDeploy's PyTorch engine serves bfloat16 or float16 models, not float32 "
-                                    "(set model.dtype to bfloat16, or auto on a GPU)")]
-        return []
 
     def _resolve_max_model_len(self) -> int | None:
         return self.config.max_model_len or self.model_info.max_position_embeddings

@@ -35,6 +35,10 @@ from typing import Any
 
 import torch
 
+from rlcli.testing.engine_plugins import cpu_context
+from rlcli.testing.engine_plugins import fake_next_token as next_token
+from rlcli.testing.engine_plugins import fake_token_logprob as token_logprob
+
 from rlcli_lmdeploy.backend import LMDeployBackend
 
 
@@ -120,17 +124,6 @@ class PytorchEngineConfig:
         assert self.dtype in ("auto", "float16", "bfloat16")
         assert 0 < self.cache_max_entry_count < 1, "invalid cache_max_entry_count"
         assert self.device_type in ("cuda", "ascend", "maca", "camb")
-
-
-def next_token(context: list[int], shift: int, vocab: int) -> int:
-    h = shift
-    for t in context[-4:]:
-        h = (h * 1_000_003 + t + 7) % 2_147_483_647
-    return h % vocab
-
-
-def token_logprob(tok: int) -> float:
-    return -0.05 * (1 + tok % 13)
 
 
 class FakeAgent:
@@ -306,8 +299,5 @@ class FakeLMDeployBackend(LMDeployBackend):
         return self._lmd
 
 
-def context(model_dir, eos: int = 2, version: int = 0, dtype=torch.bfloat16):
-    from rlcli.backends.base import BackendContext
-
-    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=dtype,
-                          eos_token_ids=[eos], seed=0, version=version)
+def context(model_dir, eos: int = 2, version: int = 0, dtype: torch.dtype = torch.bfloat16):
+    return cpu_context(model_dir, eos=eos, version=version, dtype=dtype)

@@ -9,10 +9,11 @@ import threading
 
 import pytest
 import torch
-from fake_lmdeploy import FakeLMDeployBackend, context, next_token, token_logprob
+from fake_lmdeploy import FakeLMDeployBackend, context, token_logprob
 from transformers import AutoModelForCausalLM
 
 from rlcli.backends.base import GenerateRequest
+from rlcli.testing.engine_plugins import fake_expected
 from rlcli.types import SampleParams
 
 
@@ -28,12 +29,7 @@ def gen(be, prompt, seed=None, **params):
 
 
 def expected(be, prompt, n, shift=0):
-    out, ctx = [], list(prompt)
-    for _ in range(n):
-        t = next_token(ctx, shift, be.model_info.vocab_size)
-        out.append(t)
-        ctx.append(t)
-    return out
+    return fake_expected(prompt, n, be.model_info.vocab_size, shift)
 
 
 def test_generate_streams_deltas_with_their_logprobs(backend):

@@ -17,7 +17,6 @@ from rlcli_sglang.logic import (
     FLOAT32_REFUSAL,
     MANAGED_ENGINE_KWARGS,
     ENGINE,
-    dtype_name,
     engine_kwargs,
     finish_reason,
     first_stop,
@@ -62,6 +61,7 @@ class SGLangBackend(EngineBackend):
     name: ClassVar[str] = "sglang"
     engine = ENGINE
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
+    float32_refusal = FLOAT32_REFUSAL  # a clear error up front, not a dead scheduler and a SIGQUIT later
     idle_timeout_s: ClassVar[float] = 120.0
 
     class Config(ComponentConfig):
@@ -101,14 +101,7 @@ class SGLangBackend(EngineBackend):
         self._api: SimpleNamespace | None = None
         self._tm: Any = None
         self._released: set[str] = set()
-        dtype_name(ctx.dtype)  # float32: a clear error now, not a dead scheduler and a SIGQUIT later
         super().__init__(config, ctx)
-
-    @classmethod
-    def _check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
-        if getattr(getattr(recipe, "model", None), "dtype", "auto") == "float32":
-            return [("model.dtype", FLOAT32_REFUSAL)]
-        return []
 
     # -------------------------------------------------------------------------- engine
     @staticmethod

@@ -34,6 +34,10 @@ from typing import Any
 
 import torch
 
+from rlcli.testing.engine_plugins import cpu_context
+from rlcli.testing.engine_plugins import fake_next_token as next_token
+from rlcli.testing.engine_plugins import fake_token_logprob as token_logprob
+
 from rlcli_sglang.backend import SGLangBackend
 
 # SamplingParams fields of SGLang 0.5.17 (its msgspec Struct refuses others)
@@ -73,17 +77,6 @@ class ReleaseMemoryOccupationReqInput:
 @dataclass
 class ResumeMemoryOccupationReqInput:
     tags: list[str] | None = None
-
-
-def next_token(context: list[int], shift: int, vocab: int) -> int:
-    h = shift
-    for t in context[-4:]:
-        h = (h * 1_000_003 + t + 7) % 2_147_483_647
-    return h % vocab
-
-
-def token_logprob(tok: int) -> float:
-    return -0.05 * (1 + tok % 13)
 
 
 class FakeTokenizerManager:
@@ -255,8 +248,4 @@ class FakeSGLangBackend(SGLangBackend):
 
 
 def context(model_dir, eos: int = 2, version: int = 0, dtype: torch.dtype = torch.bfloat16):
-    """A CPU run context; bfloat16 like a real SGLang run (the plugin refuses float32)."""
-    from rlcli.backends.base import BackendContext
-
-    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=dtype,
-                          eos_token_ids=[eos], seed=0, version=version)
+    return cpu_context(model_dir, eos=eos, version=version, dtype=dtype)

@@ -12,10 +12,11 @@ import threading
 
 import pytest
 import torch
-from fake_sglang import FakeSGLangBackend, context, next_token, token_logprob
+from fake_sglang import FakeSGLangBackend, context, token_logprob
 from transformers import AutoModelForCausalLM
 
 from rlcli.backends.base import GenerateRequest
+from rlcli.testing.engine_plugins import fake_expected
 from rlcli.types import SampleParams
 
 
@@ -31,12 +32,7 @@ def gen(be, prompt, seed=None, **params):
 
 
 def expected(be, prompt, n, shift=0):
-    out, ctx = [], list(prompt)
-    for _ in range(n):
-        t = next_token(ctx, shift, be.model_info.vocab_size)
-        out.append(t)
-        ctx.append(t)
-    return out
+    return fake_expected(prompt, n, be.model_info.vocab_size, shift)
 
 
 def test_generate_returns_tokens_logprobs_versions_on_the_engine_thread(backend):

@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 
+from rlcli.testing.engine_plugins import cpu_context
+from rlcli.testing.engine_plugins import fake_next_token as next_token
+from rlcli.testing.engine_plugins import fake_token_logprob as token_logprob
+
 from rlcli_vllm.backend import VLLMBackend
 
 
@@ -113,17 +117,6 @@ class SamplingParams:
             raise TypeError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.temperature < 1e-5:  # greedy
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
-
-
-def next_token(context: list[int], shift: int, vocab: int) -> int:
-    h = shift
-    for t in context[-4:]:
-        h = (h * 1_000_003 + t + 7) % 2_147_483_647
-    return h % vocab
-
-
-def token_logprob(tok: int) -> float:
-    return -0.05 * (1 + tok % 13)
 
 
 class FakeLLMEngine:
@@ -268,8 +261,5 @@ class FakeVLLMBackend(VLLMBackend):
         return self.fake, int(self.config.max_model_len or self.model_info.max_position_embeddings)
 
 
-def context(model_dir, eos: int = 2, version: int = 0):
-    from rlcli.backends.base import BackendContext
-
-    return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=torch.float32,
-                          eos_token_ids=[eos], seed=0, version=version)
+def context(model_dir, eos: int = 2, version: int = 0, dtype: torch.dtype = torch.float32):
+    return cpu_context(model_dir, eos=eos, version=version, dtype=dtype)

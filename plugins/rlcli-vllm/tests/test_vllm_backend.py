@@ -9,10 +9,11 @@ import threading
 
 import pytest
 import torch
-from fake_vllm import FakeVLLMBackend, context, next_token, token_logprob
+from fake_vllm import FakeVLLMBackend, context, token_logprob
 from transformers import AutoModelForCausalLM
 
 from rlcli.backends.base import GenerateRequest
+from rlcli.testing.engine_plugins import fake_expected
 from rlcli.types import SampleParams
 
 
@@ -28,14 +29,7 @@ def gen(be, prompt, seed=None, **params):
 
 
 def expected(be, prompt, n, shift=0, stops=()):
-    out, ctx = [], list(prompt)
-    for _ in range(n):
-        t = next_token(ctx, shift, be.model_info.vocab_size)
-        out.append(t)
-        ctx.append(t)
-        if t in stops:
-            break
-    return out
+    return fake_expected(prompt, n, be.model_info.vocab_size, shift, stops)
 
 
 def test_generate_streams_tokens_logprobs_versions(backend):
