@@ -58,6 +58,7 @@ __all__ = [
     "check_many_concurrent",
     "check_invalid_requests_isolated",
     "check_sleep_wake",
+    "check_sleep_frees_device_memory",
     "ALL_CHECKS",
     "run_all",
     "reusing_backends",
@@ -856,6 +857,55 @@ def check_sleep_wake(
             _done(backend)
 
     _run(main)
+
+
+def check_sleep_frees_device_memory(
+    make_backend: BackendFactory,
+    model_dir: str | Path,
+    *,
+    min_fraction: float | dict[int, float] = 0.5,
+    max_tokens: int = 10,
+) -> str:
+    """CUDA only: ``sleep(1)`` and ``sleep(2)`` each give back free device memory
+    (``torch.cuda.mem_get_info``) - more than none, and at least ``min_fraction`` (per level, or
+    one figure for both) of what building the backend took - and greedy outputs are identical
+    after each ``wake_up()``. Returns a line with the figures.
+
+    Unlike :func:`check_sleep_wake` (``memory_allocated`` of this process), this sees memory an
+    engine holds in other processes or in its own pools (SGLang's scheduler, vLLM's sleep-mode
+    allocator). Not in :data:`ALL_CHECKS`: an in-process backend may rightly keep freed memory in
+    PyTorch's cache for a trainer of the same process (the embedded engine's ``sleep(1)``)."""
+    if not torch.cuda.is_available():
+        raise AssertionError("check_sleep_frees_device_memory needs a CUDA device")
+    fractions = min_fraction if isinstance(min_fraction, dict) else {1: min_fraction, 2: min_fraction}
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    backend = make_backend(model_dir)
+    notes = []
+    try:
+        held = free_before - torch.cuda.mem_get_info()[0]
+        prompts = _random_prompts(model_dir, 3, random.Random(4), _eos(backend))
+
+        def outputs():
+            async def main():
+                outs = await asyncio.gather(*(_gen(backend, p, temperature=0.0, max_tokens=max_tokens) for p in prompts))
+                return [o.token_ids for o in outs]
+
+            return asyncio.run(main())
+
+        ref = outputs()
+        for level in (1, 2):
+            free_awake = torch.cuda.mem_get_info()[0]
+            backend.sleep(level)
+            released = torch.cuda.mem_get_info()[0] - free_awake
+            notes.append(f"sleep({level}) freed {released / 2**20:.0f} of {held / 2**20:.0f} MiB")
+            assert released > 0 and released >= fractions.get(level, 0.0) * held, (
+                f"{notes[-1]} (at least {fractions.get(level, 0.0):.0%} required)")
+            backend.wake_up()
+            assert outputs() == ref, f"outputs changed after sleep({level})/wake_up()"
+    finally:
+        backend.shutdown()
+    return "; ".join(notes)
 
 
 ALL_CHECKS: dict[str, Callable[..., None]] = {

@@ -8,15 +8,11 @@ below reads free device memory) and with the logprob check restricted to tempera
 
 from __future__ import annotations
 
-import asyncio
-import random
 
 import pytest
 import torch
 
-from rlcli.backends.base import GenerateRequest
 from rlcli.testing import backend_conformance as bc
-from rlcli.types import SampleParams
 from rlcli_lmdeploy import LMDeployBackend
 
 pytestmark = pytest.mark.gpu
@@ -50,27 +46,4 @@ def test_logprobs_at_temperature_one_and_greedy(dirs):
 
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
-    torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info()[0]
-    be = make_backend(dirs[0], cache_max_entry_count=0.3)
-    try:
-        held = free_before - torch.cuda.mem_get_info()[0]
-        prompts = bc._random_prompts(dirs[0], 3, random.Random(4), be.ctx.eos_token_ids)
-
-        def outputs():
-            async def main():
-                return await asyncio.gather(*(
-                    be.generate(GenerateRequest(p, SampleParams(max_tokens=10, temperature=0.0))) for p in prompts
-                ))
-            return [o.token_ids for o in asyncio.run(main())]
-
-        ref = outputs()
-        for level in (1, 2):
-            free_awake = torch.cuda.mem_get_info()[0]
-            be.sleep(level)
-            released = torch.cuda.mem_get_info()[0] - free_awake
-            assert released >= 0.5 * held, f"sleep({level}) released {released / 2**20:.0f} of {held / 2**20:.0f} MiB"
-            be.wake_up()
-            assert outputs() == ref
-    finally:
-        be.shutdown()
+    bc.check_sleep_frees_device_memory(lambda d: make_backend(d, cache_max_entry_count=0.3), dirs[0], min_fraction=0.5)

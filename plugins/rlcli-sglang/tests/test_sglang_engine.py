@@ -10,16 +10,12 @@ tolerances are loosened for 16-bit kernels against its float32 CPU reference.
 
 from __future__ import annotations
 
-import asyncio
 import os
-import random
 
 import pytest
 import torch
 
-from rlcli.backends.base import GenerateRequest
 from rlcli.testing import backend_conformance as bc
-from rlcli.types import SampleParams
 from rlcli_sglang import SGLangBackend
 
 pytestmark = pytest.mark.gpu
@@ -61,27 +57,4 @@ def test_seeded_sampling_in_deterministic_mode(dirs):
 
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
-    torch.cuda.synchronize()
-    free_before = torch.cuda.mem_get_info()[0]
-    be = make_backend(dirs[0], mem_fraction_static=0.3)
-    try:
-        held = free_before - torch.cuda.mem_get_info()[0]
-        prompts = bc._random_prompts(dirs[0], 3, random.Random(4), be.ctx.eos_token_ids)
-
-        def outputs():
-            async def main():
-                return await asyncio.gather(*(
-                    be.generate(GenerateRequest(p, SampleParams(max_tokens=10, temperature=0.0))) for p in prompts
-                ))
-            return [o.token_ids for o in asyncio.run(main())]
-
-        ref = outputs()
-        for level, share in ((1, 0.3), (2, 0.5)):
-            free_awake = torch.cuda.mem_get_info()[0]
-            be.sleep(level)
-            released = torch.cuda.mem_get_info()[0] - free_awake
-            assert released >= share * held, f"sleep({level}) released {released / 2**20:.0f} of {held / 2**20:.0f} MiB"
-            be.wake_up()
-            assert outputs() == ref
-    finally:
-        be.shutdown()
+    bc.check_sleep_frees_device_memory(lambda d: make_backend(d, mem_fraction_static=0.3), dirs[0], min_fraction={1: 0.3, 2: 0.5})
