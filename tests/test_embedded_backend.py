@@ -523,3 +523,23 @@ def test_sample_plain_is_the_inverse_cdf_draw_with_exact_logprobs(temperature):
     assert torch.equal(tok, sample_tokens(scaled, u))
     ref = torch.log_softmax(scaled, dim=-1).gather(1, tok[:, None]).squeeze(1)
     assert torch.allclose(lp, ref, atol=1e-5)
+
+
+def test_tied_weights_sent_under_both_names_are_copied_once(model_dirs, monkeypatch):
+    be = make(model_dirs[0])
+    embed = be.engine.model.embed.weight
+    assert be.engine.model.lm_head.weight is embed  # a tied model
+    new = torch.randn_like(embed)
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, src, *a, **kw):
+        copies.append(self.data_ptr())
+        return real_copy(self, src, *a, **kw)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+    n = be.engine.model.load_named_tensors([("model.embed_tokens.weight", new), ("lm_head.weight", new)])
+    monkeypatch.undo()
+    assert n == 2 and copies.count(embed.data_ptr()) == 1
+    assert torch.equal(embed, new)
+    be.shutdown()

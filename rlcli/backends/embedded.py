@@ -289,10 +289,12 @@ class LlamaFamilyModel:
 
     @torch.no_grad()
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the model in place; returns how many were copied.
+        """Copy HF-named tensors into the model in place; returns how many names were given.
 
         All names and shapes are checked before anything is copied, so a bad call changes
-        nothing. Raises ``ValueError`` naming every unknown name / mismatched shape.
+        nothing. Raises ``ValueError`` naming every unknown name / mismatched shape. Names of one
+        tied parameter (``lm_head.weight`` and the embedding) are copied once per call, from the
+        first of them (the trainer sends the same tensor under both).
         """
         items = list(named_tensors)
         params = self.named_parameters()
@@ -310,8 +312,13 @@ class LlamaFamilyModel:
         ]
         if bad:
             raise ValueError(f"update_weights: shape mismatch for {', '.join(bad)}")
+        written: set[int] = set()  # tied weights: one parameter under several names, copied once
         for name, tensor in items:
-            params[name].data.copy_(tensor.detach(), non_blocking=True)
+            param = params[name]
+            if id(param) in written:
+                continue
+            written.add(id(param))
+            param.data.copy_(tensor.detach(), non_blocking=True)
         return len(items)
 
     # -------------------------------------------------------------------------- forward
