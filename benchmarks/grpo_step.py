@@ -23,6 +23,7 @@ split.png. A failing section prints its exact error and the others still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -48,8 +49,6 @@ ENGINE_PLUGINS: list = []  # --engine-plugin: plugin modules registered for the 
 
 def profiled(name: str):
     """Context manager: torch.profiler over the block when --profile is on; writes a kernel table."""
-    import contextlib
-
     if PROFILE_DIR is None or (PROFILE_WHAT == "train" and not name.startswith("train")):
         return contextlib.nullcontext()
     from torch.profiler import ProfilerActivity, profile
@@ -209,12 +208,6 @@ def engine(model_dir: Path, overrides: list[str] | None = None, label: str = "em
         torch.cuda.empty_cache()
 
 
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
 def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None
 
@@ -267,7 +260,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
 
     def train_step(seqs):  # --profile: the third train step (warm) under torch.profiler
         calls.append(1)
-        with profiled(f"train-{label}") if len(calls) == 4 else _null():
+        with profiled(f"train-{label}") if len(calls) == 4 else contextlib.nullcontext():
             return orig_train(seqs)
 
     runner.worker.train_step = train_step
