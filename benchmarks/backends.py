@@ -67,7 +67,6 @@ import gc
 import importlib
 import json
 import math
-import random
 import statistics
 import subprocess
 import sys
@@ -364,32 +363,13 @@ def section_run(engine: str, root: Path) -> None:
 # ------------------------------------------------------------------------------------------
 def exact_range_logprobs(engine: str, make_backend, model_dir) -> None:
     """Logprobs against the forward pass where the engine's logprob mode is exact."""
-    from rlcli.backends.base import GenerateRequest
     from rlcli.testing import backend_conformance as bc
-    from rlcli.types import SampleParams
 
     settings = {"vllm": [dict(temperature=t) for t in (1.0, 0.7, 0.0)],
                 "lmdeploy": [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9), dict(temperature=0.0)]}
     settings = settings.get(engine, [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
     atol = 0.15 if engine == "lmdeploy" else 2e-3
-    be = make_backend(model_dir)
-    try:
-        prompts = bc._random_prompts(model_dir, 4, random.Random(3), be.ctx.eos_token_ids)
-        jobs = [(p, s) for p in prompts for s in settings]
-
-        async def main():
-            return await asyncio.gather(*(be.generate(GenerateRequest(p, SampleParams(max_tokens=12, ignore_eos=True,
-                                                                                        **s), seed=i))
-                                          for i, (p, s) in enumerate(jobs)))
-
-        outs = asyncio.run(main())
-    finally:
-        be.shutdown()
-    for (p, s), out in zip(jobs, outs):
-        ref = bc.reference_logprobs(model_dir, p, out.token_ids, s["temperature"])
-        want = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
-        err = (torch.tensor(out.logprobs) - want).abs().max().item()
-        assert err <= atol, f"{s}: logprobs differ from the forward pass by {err:.3g} (atol {atol})"
+    bc.check_logprobs_match_forward(make_backend, model_dir, settings=settings, atol=atol, max_tokens=12)
 
 
 class NotRun(Exception):

@@ -104,3 +104,21 @@ def test_reusing_backends_builds_few_and_isolates_failures(tmp_path):
         bc.check_stop_and_length(make, a)
         assert len(built) == 2 and alive == {id(built[1])}
     assert not alive
+
+
+def test_logprob_check_with_explicit_settings(tmp_path):
+    """``settings`` sends every prompt with each given sampling setting (the engine plugins' way of
+    checking only the range where their logprobs are exact); a wrong logprob still fails it."""
+    a, _ = bc.make_tiny_model_dirs(tmp_path, arch="qwen2", seed=14)
+    settings = [dict(temperature=0.7, top_k=3), dict(temperature=1.0, top_p=0.8)]
+    bc.check_logprobs_match_forward(make_backend, a, settings=settings, max_tokens=6)
+
+    class Shifted(EmbeddedBackend):
+        async def generate(self, request):
+            out = await super().generate(request)
+            out.logprobs = [lp - 0.01 for lp in out.logprobs]
+            return out
+
+    with pytest.raises(AssertionError, match="temperature': 0.7"):
+        bc.check_logprobs_match_forward(lambda d: Shifted(EmbeddedBackend.Config(), bc.default_context(d)), a,
+                                        settings=settings, max_tokens=6)

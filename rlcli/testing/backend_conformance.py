@@ -346,11 +346,15 @@ def check_logprobs_match_forward(
     temperatures: Sequence[float] = (1.0, 0.7, 0.0),
     atol: float = 1e-4,
     max_tokens: int = 16,
+    settings: Sequence[dict[str, Any]] | None = None,
 ) -> None:
     """Returned logprobs equal ``log_softmax(logits / T)`` of a transformers forward pass.
 
     Also with top-k/top-p active: the logprob is *not* renormalised over the kept set, and
-    every sampled token lies in the top-k set.
+    every sampled token lies in the top-k set. ``settings`` (sampling parameters such as
+    ``{"temperature": 1.0, "top_k": 5}``) replaces the default mix (``temperatures`` plus two
+    top-k/top-p requests): every prompt is then sent with each of them - for engines whose
+    logprobs are exact only in part of the range.
     """
 
     async def main():
@@ -359,11 +363,15 @@ def check_logprobs_match_forward(
             eos = _eos(backend)
             ps = _random_prompts(model_dir, 4, random.Random(2), eos)
             jobs = []
-            for t in temperatures:
-                for i, p in enumerate(ps):
-                    jobs.append((p, dict(temperature=t, max_tokens=max_tokens, ignore_eos=True), 100 + i))
-            jobs.append((ps[0], dict(temperature=1.0, top_k=5, top_p=0.9, max_tokens=max_tokens, ignore_eos=True), 7))
-            jobs.append((ps[1], dict(temperature=0.8, top_k=3, max_tokens=max_tokens, ignore_eos=True), 8))
+            fixed = dict(max_tokens=max_tokens, ignore_eos=True)
+            if settings is not None:
+                for j, st in enumerate(settings):
+                    jobs += [(p, {**fixed, **st}, 100 * (j + 1) + i) for i, p in enumerate(ps)]
+            else:
+                for t in temperatures:
+                    jobs += [(p, dict(temperature=t, **fixed), 100 + i) for i, p in enumerate(ps)]
+                jobs.append((ps[0], dict(temperature=1.0, top_k=5, top_p=0.9, **fixed), 7))
+                jobs.append((ps[1], dict(temperature=0.8, top_k=3, **fixed), 8))
             outs = await asyncio.gather(*(_gen(backend, p, seed=s, **kw) for p, kw, s in jobs))
         finally:
             _done(backend)

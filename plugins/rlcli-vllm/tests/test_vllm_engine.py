@@ -9,15 +9,11 @@ memory after ``sleep`` is read with ``torch.cuda.mem_get_info`` (the kit reads
 
 from __future__ import annotations
 
-import asyncio
-import random
 
 import pytest
 import torch
 
-from rlcli.backends.base import GenerateRequest
 from rlcli.testing import backend_conformance as bc
-from rlcli.types import SampleParams
 from rlcli_vllm import VLLMBackend
 
 pytestmark = pytest.mark.gpu
@@ -51,33 +47,12 @@ def test_conformance_kit(dirs):
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", "raw_logprobs"])
 def test_logprobs_match_the_forward_pass_where_the_mode_is_exact(dirs, mode):
-    model_dir = dirs[0]
-    be = make_backend(model_dir, logprobs_mode=mode)
-    rng = random.Random(3)
-    try:
-        eos = be.ctx.eos_token_ids
-        prompts = bc._random_prompts(model_dir, 4, rng, eos)
-        if mode == "processed_logprobs":
-            settings = [dict(temperature=t) for t in (1.0, 0.7, 0.0)]
-        else:
-            settings = [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9), dict(temperature=0.0)]
-
-        async def main():
-            jobs = [(p, s) for p in prompts for s in settings]
-            outs = await asyncio.gather(*(
-                be.generate(GenerateRequest(p, SampleParams(max_tokens=12, ignore_eos=True, **s), seed=i))
-                for i, (p, s) in enumerate(jobs)
-            ))
-            return jobs, outs
-
-        jobs, outs = asyncio.run(main())
-    finally:
-        be.shutdown()
-    for (p, s), out in zip(jobs, outs):
-        ref = bc.reference_logprobs(model_dir, p, out.token_ids, s["temperature"])
-        want = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
-        err = (torch.tensor(out.logprobs) - want).abs().max().item()
-        assert err < 2e-3, f"{mode} {s}: logprobs differ from the forward pass by {err:.3g}"
+    if mode == "processed_logprobs":
+        settings = [dict(temperature=t) for t in (1.0, 0.7, 0.0)]
+    else:
+        settings = [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9), dict(temperature=0.0)]
+    bc.check_logprobs_match_forward(lambda d: make_backend(d, logprobs_mode=mode), dirs[0], settings=settings,
+                                    atol=2e-3, max_tokens=12)
 
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
