@@ -156,14 +156,26 @@ def make_task(name, backend, strategy=None, *, k=2, max_tokens=64, interval=1, j
     return Task(name, 1.0, FakeSampler(name, k, uid_base), loop, strat, list(filters), strat.staleness_rule())
 
 
+_MANAGERS: list[RolloutManager] = []  # every manager a test made: their judge pools are closed after it
+
+
 def make_manager(backend, *tasks, buffer=None, **kw):
-    return RolloutManager(list(tasks), buffer if buffer is not None else AsyncReplayBuffer(), backend,
-                          [t.agent_loop.judge_pool for t in tasks], **kw)
+    m = RolloutManager(list(tasks), buffer if buffer is not None else AsyncReplayBuffer(), backend,
+                       [t.agent_loop.judge_pool for t in tasks], **kw)
+    _MANAGERS.append(m)
+    return m
 
 
 def close(manager):
     for p in manager.judge_pools:
         p.close()
+
+
+@pytest.fixture(autouse=True)
+def _close_managers():
+    yield
+    while _MANAGERS:
+        close(_MANAGERS.pop())
 
 
 def model_step(step, interval):
@@ -289,19 +301,16 @@ def test_oversampled_groups_are_paused_and_kept():
     backend = ScriptedBackend(lambda uid: 40 if uid // 2 >= 6 else 1)
     task = make_task("t", backend, {"over_sample_threshold": 0.5, "enable_partial_rollout": True, "max_staleness": 1})
     m = make_manager(backend, task)
-    try:
-        res = run(window(m, backend, 6, 1))
-        assert [g.group_id for g in res.groups] == [0, 1, 2, 3, 4, 5]
-        assert task.sampler.groups_sampled == 9 and task.strategy.pending == 0
-        aborted = m.buffer.groups("t", Status.ABORTED)
-        assert [g.group_id for g in aborted] == [6, 7, 8]
-        assert all(0 < len(s.response_ids) < 40 and s.token_versions == [0] * len(s.response_ids)
-                   for g in aborted for s in g.samples)
-        assert res.metrics["rollout/aborted_groups"] == 3 and res.metrics["rollout/leftover_aborted_groups"] == 3
-        assert res.metrics["rollout/groups"] == 6 and res.metrics["rollout/samples"] == 12
-        assert res.metrics["rollout/tokens"] == 12 + sum(len(s.response_ids) for g in aborted for s in g.samples)
-    finally:
-        close(m)
+    res = run(window(m, backend, 6, 1))
+    assert [g.group_id for g in res.groups] == [0, 1, 2, 3, 4, 5]
+    assert task.sampler.groups_sampled == 9 and task.strategy.pending == 0
+    aborted = m.buffer.groups("t", Status.ABORTED)
+    assert [g.group_id for g in aborted] == [6, 7, 8]
+    assert all(0 < len(s.response_ids) < 40 and s.token_versions == [0] * len(s.response_ids)
+               for g in aborted for s in g.samples)
+    assert res.metrics["rollout/aborted_groups"] == 3 and res.metrics["rollout/leftover_aborted_groups"] == 3
+    assert res.metrics["rollout/groups"] == 6 and res.metrics["rollout/samples"] == 12
+    assert res.metrics["rollout/tokens"] == 12 + sum(len(s.response_ids) for g in aborted for s in g.samples)
 
 
 def test_pending_never_leaks_into_the_next_window():
@@ -311,17 +320,14 @@ def test_pending_never_leaks_into_the_next_window():
                                     "tail_batch_trigger_size": 0})
     m = make_manager(backend, task)
     trained: list[int] = []
-    try:
-        for step in (1, 2, 3):
-            res = run(window(m, backend, 3, step))
-            assert task.strategy.pending == 0 and backend.inflight == 0
-            trained += [g.group_id for g in res.groups]
-        assert len(trained) == len(set(trained)) == 9
-        kept = [g.group_id for g in m.buffer.groups()]
-        assert not set(kept) & set(trained)
-        assert task.sampler.groups_sampled == len(trained) + len(kept)
-    finally:
-        close(m)
+    for step in (1, 2, 3):
+        res = run(window(m, backend, 3, step))
+        assert task.strategy.pending == 0 and backend.inflight == 0
+        trained += [g.group_id for g in res.groups]
+    assert len(trained) == len(set(trained)) == 9
+    kept = [g.group_id for g in m.buffer.groups()]
+    assert not set(kept) & set(trained)
+    assert task.sampler.groups_sampled == len(trained) + len(kept)
 
 
 def test_produce_batch_refuses_leftover_pending():
@@ -357,15 +363,12 @@ def test_tail_mode_rerolls_expired_without_oversampling():
     m = make_manager(backend, task)
     expired_group(m.buffer, 100)
     expired_group(m.buffer, 101)
-    try:
-        res = run(window(m, backend, 2, 5))
-        assert [g.group_id for g in res.groups] == [100, 101]
-        assert task.sampler.groups_sampled == 0  # no fresh prompt, no over-sampling
-        assert sorted(r.request_id for r in backend.requests) == [200, 201, 202, 203]
-        assert all(s.staleness == 0 and s.tries == 1 for g in res.groups for s in g.samples)
-        assert res.metrics["rollout/tail_batch_windows"] == 1 and res.metrics["rollout/rerolled_samples"] == 4
-    finally:
-        close(m)
+    res = run(window(m, backend, 2, 5))
+    assert [g.group_id for g in res.groups] == [100, 101]
+    assert task.sampler.groups_sampled == 0  # no fresh prompt, no over-sampling
+    assert sorted(r.request_id for r in backend.requests) == [200, 201, 202, 203]
+    assert all(s.staleness == 0 and s.tries == 1 for g in res.groups for s in g.samples)
+    assert res.metrics["rollout/tail_batch_windows"] == 1 and res.metrics["rollout/rerolled_samples"] == 4
 
 
 def test_trigger_zero_rerolls_at_once_and_keeps_oversampling():
@@ -374,15 +377,12 @@ def test_trigger_zero_rerolls_at_once_and_keeps_oversampling():
     task = make_task("t", backend, {"over_sample_threshold": 1.0, "tail_batch_trigger_size": 0})
     m = make_manager(backend, task)
     expired_group(m.buffer, 100)
-    try:
-        res = run(window(m, backend, 2, 5))
-        assert task.sampler.groups_sampled == 3  # 2 + budget 2 = 4 in flight, the expired one first
-        assert backend.requests[0].request_id == 200
-        assert res.metrics["rollout/tail_batch_windows"] == 0
-        assert m.buffer.count("t", Status.EXPIRED) == 0
-        assert len(res.groups) + m.buffer.count("t", Status.COMPLETED) == 4
-    finally:
-        close(m)
+    res = run(window(m, backend, 2, 5))
+    assert task.sampler.groups_sampled == 3  # 2 + budget 2 = 4 in flight, the expired one first
+    assert backend.requests[0].request_id == 200
+    assert res.metrics["rollout/tail_batch_windows"] == 0
+    assert m.buffer.count("t", Status.EXPIRED) == 0
+    assert len(res.groups) + m.buffer.count("t", Status.COMPLETED) == 4
 
 
 def test_trigger_not_reached_keeps_expired_pooled():
@@ -392,17 +392,14 @@ def test_trigger_not_reached_keeps_expired_pooled():
     m = make_manager(backend, task)
     expired_group(m.buffer, 100)
     expired_group(m.buffer, 101)
-    try:
-        run(window(m, backend, 2, 5))
-        assert task.sampler.groups_sampled == 4 and m.buffer.count("t", Status.EXPIRED) == 2
-        assert m.buffer.count("t", Status.COMPLETED) == 2  # over-sampled leftovers (staleness 1 < 2 at step 6)
-        expired_group(m.buffer, 102)  # now 3 pooled: tail mode, only the gap (5 - 2 leftovers), expired first
-        res = run(window(m, backend, 5, 6))
-        assert task.sampler.groups_sampled == 4 and m.buffer.count() == 0
-        assert {100, 101, 102} <= {g.group_id for g in res.groups}
-        assert res.metrics["rollout/tail_batch_windows"] == 1
-    finally:
-        close(m)
+    run(window(m, backend, 2, 5))
+    assert task.sampler.groups_sampled == 4 and m.buffer.count("t", Status.EXPIRED) == 2
+    assert m.buffer.count("t", Status.COMPLETED) == 2  # over-sampled leftovers (staleness 1 < 2 at step 6)
+    expired_group(m.buffer, 102)  # now 3 pooled: tail mode, only the gap (5 - 2 leftovers), expired first
+    res = run(window(m, backend, 5, 6))
+    assert task.sampler.groups_sampled == 4 and m.buffer.count() == 0
+    assert {100, 101, 102} <= {g.group_id for g in res.groups}
+    assert res.metrics["rollout/tail_batch_windows"] == 1
 
 
 def test_trigger_minus_one_drops_expired_groups():
@@ -410,12 +407,9 @@ def test_trigger_minus_one_drops_expired_groups():
     task = make_task("t", backend, {"max_staleness": 0})  # threshold 1, tail -1
     m = make_manager(backend, task)
     m.buffer.put(Group(50, "t", [done_sample(100, [0]), done_sample(101, [0])]))  # a leftover from model 0
-    try:
-        res = run(window(m, backend, 1, 2))  # step 2: staleness 1 >= 1 -> expired, dropped
-        assert res.metrics["rollout/expired_groups"] == 1 and m.buffer.discarded_expired == 1
-        assert [g.group_id for g in res.groups] == [0]
-    finally:
-        close(m)
+    res = run(window(m, backend, 1, 2))  # step 2: staleness 1 >= 1 -> expired, dropped
+    assert res.metrics["rollout/expired_groups"] == 1 and m.buffer.discarded_expired == 1
+    assert [g.group_id for g in res.groups] == [0]
 
 
 def test_retry_order_expired_then_aborted_then_fresh():
@@ -452,16 +446,13 @@ def test_reroll_of_mixed_group_keeps_the_fresh_member():
     m.buffer.put(Group(0, "t", [stale, fresh]), consumer_step=5, rule=task.rule)
     assert stale.status == Status.EXPIRED and stale.response_ids == [] and fresh.status == Status.COMPLETED
     kept = (list(fresh.response_ids), list(fresh.token_versions), dict(fresh.reward))
-    try:
-        backend.version = 4
-        res = run(m.produce_batch(1, 5, 4))
-        assert [r.request_id for r in backend.requests] == [0]
-        g = res.groups[0]
-        assert g.group_id == 0 and g.samples[1] is fresh
-        assert (fresh.response_ids, fresh.token_versions, fresh.reward) == kept
-        assert g.samples[0].token_versions == [4] and g.samples[0].tries == 1
-    finally:
-        close(m)
+    backend.version = 4
+    res = run(m.produce_batch(1, 5, 4))
+    assert [r.request_id for r in backend.requests] == [0]
+    g = res.groups[0]
+    assert g.group_id == 0 and g.samples[1] is fresh
+    assert (fresh.response_ids, fresh.token_versions, fresh.reward) == kept
+    assert g.samples[0].token_versions == [4] and g.samples[0].tries == 1
 
 
 def test_tail_batch_max_tries_drops_and_counts():
@@ -472,17 +463,14 @@ def test_tail_batch_max_tries_drops_and_counts():
                      max_tokens=2000)
     m = make_manager(backend, task)
     dropped, restarts = 0, []
-    try:
-        for step in range(1, 6):
-            res = run(window(m, backend, 1, step))
-            dropped += res.metrics["rollout/dropped_retry_groups"]
-            restarts.append(len([r for r in backend.requests_for(0) if len(r.prompt_ids) == len(PROMPT)]))
-            assert 0 not in [g.group_id for g in res.groups]
-        assert dropped == 1
-        assert restarts[-1] == 3  # first attempt + 2 re-rolls, then never again
-        assert all(g.group_id != 0 for g in m.buffer.groups())
-    finally:
-        close(m)
+    for step in range(1, 6):
+        res = run(window(m, backend, 1, step))
+        dropped += res.metrics["rollout/dropped_retry_groups"]
+        restarts.append(len([r for r in backend.requests_for(0) if len(r.prompt_ids) == len(PROMPT)]))
+        assert 0 not in [g.group_id for g in res.groups]
+    assert dropped == 1
+    assert restarts[-1] == 3  # first attempt + 2 re-rolls, then never again
+    assert all(g.group_id != 0 for g in m.buffer.groups())
 
 
 def test_tries_limit_counts_expiries_too():
@@ -491,12 +479,9 @@ def test_tries_limit_counts_expiries_too():
     m = make_manager(backend, task)
     g = expired_group(m.buffer, 7)
     g.samples[0].tries = 1  # already re-rolled once
-    try:
-        res = run(window(m, backend, 1, 5))
-        assert res.metrics["rollout/dropped_retry_groups"] == 1
-        assert [x.group_id for x in res.groups] == [0] and m.buffer.count() == 0
-    finally:
-        close(m)
+    res = run(window(m, backend, 1, 5))
+    assert res.metrics["rollout/dropped_retry_groups"] == 1
+    assert [x.group_id for x in res.groups] == [0] and m.buffer.count() == 0
 
 
 # ====================================================================== partial rollout
@@ -508,32 +493,29 @@ def test_partial_rollout_flag_is_per_task():
     a = make_task("a", backend, {**common, "enable_partial_rollout": True})
     b = make_task("b", backend, {**common, "enable_partial_rollout": False, "tail_batch_max_tries": 5}, uid_base=1000)
     m = make_manager(backend, a, b)
-    try:
-        run(window(m, backend, 4, 1))
-        paused = {t: {s.uid: list(s.response_ids) for g in m.buffer.groups(t, Status.ABORTED) for s in g.samples}
-                  for t in ("a", "b")}
-        assert len(paused["a"]) == len(paused["b"]) == 4 and all(paused["a"].values())
-        script["long"] = 3  # the paused ones can finish now
-        backend.requests.clear()
-        res = run(window(m, backend, 4, 2))
-        assert res.metrics["task/a/partial_resumed_samples"] == 4 and res.metrics["task/b/partial_resumed_samples"] == 0
-        assert res.metrics["rollout/partial_resumed_samples"] == 4 and res.metrics["rollout/rerolled_samples"] == 4
-        for uid, partial in paused["a"].items():
-            (req,) = [r for r in backend.requests if r.request_id == uid and r.prompt_ids[:2] == PROMPT
-                      and len(r.prompt_ids) > 2]
-            assert req.prompt_ids == PROMPT + partial and req.params.max_tokens == 64 - len(partial)
-        for uid in paused["b"]:
-            reqs = [r for r in backend.requests if r.request_id == uid]
-            assert [r.prompt_ids for r in reqs] == [PROMPT]
-        everything = {s.uid: s for g in [*res.groups, *m.buffer.groups()] for s in g.samples}
-        for uid, partial in paused["a"].items():
-            s = everything[uid]
-            assert s.response_ids[:len(partial)] == partial and s.resumes == 1 and s.tries == 0
-            assert s.token_versions[:len(partial)] == [0] * len(partial) and set(s.token_versions[len(partial):]) == {1}
-        for uid in paused["b"]:
-            assert set(everything[uid].token_versions) == {1} and everything[uid].tries == 1
-    finally:
-        close(m)
+    run(window(m, backend, 4, 1))
+    paused = {t: {s.uid: list(s.response_ids) for g in m.buffer.groups(t, Status.ABORTED) for s in g.samples}
+              for t in ("a", "b")}
+    assert len(paused["a"]) == len(paused["b"]) == 4 and all(paused["a"].values())
+    script["long"] = 3  # the paused ones can finish now
+    backend.requests.clear()
+    res = run(window(m, backend, 4, 2))
+    assert res.metrics["task/a/partial_resumed_samples"] == 4 and res.metrics["task/b/partial_resumed_samples"] == 0
+    assert res.metrics["rollout/partial_resumed_samples"] == 4 and res.metrics["rollout/rerolled_samples"] == 4
+    for uid, partial in paused["a"].items():
+        (req,) = [r for r in backend.requests if r.request_id == uid and r.prompt_ids[:2] == PROMPT
+                  and len(r.prompt_ids) > 2]
+        assert req.prompt_ids == PROMPT + partial and req.params.max_tokens == 64 - len(partial)
+    for uid in paused["b"]:
+        reqs = [r for r in backend.requests if r.request_id == uid]
+        assert [r.prompt_ids for r in reqs] == [PROMPT]
+    everything = {s.uid: s for g in [*res.groups, *m.buffer.groups()] for s in g.samples}
+    for uid, partial in paused["a"].items():
+        s = everything[uid]
+        assert s.response_ids[:len(partial)] == partial and s.resumes == 1 and s.tries == 0
+        assert s.token_versions[:len(partial)] == [0] * len(partial) and set(s.token_versions[len(partial):]) == {1}
+    for uid in paused["b"]:
+        assert set(everything[uid].token_versions) == {1} and everything[uid].tries == 1
 
 
 def test_partial_continuation_never_exceeds_the_budget():
@@ -542,18 +524,15 @@ def test_partial_continuation_never_exceeds_the_budget():
     task = make_task("t", backend, {"over_sample_threshold": 1.0, "max_staleness": 3, "enable_partial_rollout": True},
                      max_tokens=5, k=2)
     m = make_manager(backend, task)
-    try:
-        run(window(m, backend, 1, 1))
-        (g,) = m.buffer.groups("t", Status.ABORTED)
-        p = len(g.samples[0].response_ids)
-        assert 0 < p < 5
-        res = run(window(m, backend, 2, 2))
-        s = next(s for x in res.groups for s in x.samples if s.uid == 2)
-        assert len(s.response_ids) == 5 and s.finish_reason == "length" and s.status == Status.COMPLETED
-        assert s.token_versions == [0] * p + [1] * (5 - p) and s.staleness == 2 - 0 - 1
-        assert [r.params.max_tokens for r in backend.requests_for(2)] == [5, 5 - p]
-    finally:
-        close(m)
+    run(window(m, backend, 1, 1))
+    (g,) = m.buffer.groups("t", Status.ABORTED)
+    p = len(g.samples[0].response_ids)
+    assert 0 < p < 5
+    res = run(window(m, backend, 2, 2))
+    s = next(s for x in res.groups for s in x.samples if s.uid == 2)
+    assert len(s.response_ids) == 5 and s.finish_reason == "length" and s.status == Status.COMPLETED
+    assert s.token_versions == [0] * p + [1] * (5 - p) and s.staleness == 2 - 0 - 1
+    assert [r.params.max_tokens for r in backend.requests_for(2)] == [5, 5 - p]
 
 
 def test_partial_response_ending_in_eos_completes_without_a_request():
@@ -563,12 +542,9 @@ def test_partial_response_ending_in_eos_completes_without_a_request():
     a = done_sample(10, [0, 0], gid=5, status=Status.ABORTED)  # generation finished, judging was cut
     b = done_sample(11, [0], gid=5)
     m.buffer.put(Group(5, "t", [a, b]))
-    try:
-        res = run(window(m, backend, 1, 2))
-        assert backend.requests == [] and res.groups[0].group_id == 5
-        assert a.status == Status.COMPLETED and a.reward == {"score": 0.0} and a.finish_reason == "stop"
-    finally:
-        close(m)
+    res = run(window(m, backend, 1, 2))
+    assert backend.requests == [] and res.groups[0].group_id == 5
+    assert a.status == Status.COMPLETED and a.reward == {"score": 0.0} and a.finish_reason == "stop"
 
 
 def test_token_staleness_masks_instead_of_dropping():
@@ -578,15 +554,12 @@ def test_token_staleness_masks_instead_of_dropping():
                      interval=4)
     m = make_manager(backend, task)
     m.buffer.put(Group(3, "t", [done_sample(6, [0, 4]), done_sample(7, [4, 4])]))
-    try:
-        backend.version = 4
-        res = run(m.produce_batch(1, 5, 4))
-        (g,) = res.groups
-        assert [s.response_mask for s in g.samples] == [[0, 1], [1, 1]]
-        assert [s.response_ids for s in g.samples] == [[TOK, EOS], [TOK, EOS]]  # nothing dropped
-        assert res.metrics["rollout/masked_stale_tokens"] == 1 and res.metrics["rollout/staleness_max"] == 4
-    finally:
-        close(m)
+    backend.version = 4
+    res = run(m.produce_batch(1, 5, 4))
+    (g,) = res.groups
+    assert [s.response_mask for s in g.samples] == [[0, 1], [1, 1]]
+    assert [s.response_ids for s in g.samples] == [[TOK, EOS], [TOK, EOS]]  # nothing dropped
+    assert res.metrics["rollout/masked_stale_tokens"] == 1 and res.metrics["rollout/staleness_max"] == 4
 
 
 # ========================================================================= judge grace
@@ -598,24 +571,21 @@ def test_pause_gives_running_judge_calls_a_grace_period():
     task = make_task("t", backend, {"over_sample_threshold": 1.0, "enable_partial_rollout": True, "max_staleness": 1},
                      judger=judger, executor="thread", grace=0.3)
     m = make_manager(backend, task)
-    try:
-        t0 = time.perf_counter()
-        res = run(window(m, backend, 1, 1))
-        took = time.perf_counter() - t0
-        assert took < 2.0, took
-        assert [g.group_id for g in res.groups] == [1]
-        (g,) = m.buffer.groups("t", Status.ABORTED)
-        s1 = g.samples[1]
-        assert s1.status == Status.ABORTED and s1.reward is None and s1.finish_reason == "abort"
-        assert "grace" in s1.error and s1.response_ids == [EOS]
-        assert res.metrics["judger/aborted"] == 1 and res.metrics["rollout/aborted_groups"] == 1
-        slow.clear()
-        res = run(window(m, backend, 1, 2))
-        assert res.groups[0].group_id == 0 and s1.status == Status.COMPLETED and s1.reward == {"score": 1.0}
-        assert len(backend.requests_for(1)) == 1  # re-judged, not re-generated
-        assert judger.calls.count(1) == 2
-    finally:
-        close(m)
+    t0 = time.perf_counter()
+    res = run(window(m, backend, 1, 1))
+    took = time.perf_counter() - t0
+    assert took < 2.0, took
+    assert [g.group_id for g in res.groups] == [1]
+    (g,) = m.buffer.groups("t", Status.ABORTED)
+    s1 = g.samples[1]
+    assert s1.status == Status.ABORTED and s1.reward is None and s1.finish_reason == "abort"
+    assert "grace" in s1.error and s1.response_ids == [EOS]
+    assert res.metrics["judger/aborted"] == 1 and res.metrics["rollout/aborted_groups"] == 1
+    slow.clear()
+    res = run(window(m, backend, 1, 2))
+    assert res.groups[0].group_id == 0 and s1.status == Status.COMPLETED and s1.reward == {"score": 1.0}
+    assert len(backend.requests_for(1)) == 1  # re-judged, not re-generated
+    assert judger.calls.count(1) == 2
 
 
 def test_drain_timeout_cancels_stuck_rollouts_and_keeps_them():
@@ -707,12 +677,9 @@ def test_all_equal_rewards_filter_and_filter_guard():
     task = make_task("t", backend, {"max_filtered_groups": 5}, judger=flat,
                      filters=[AllEqualRewards(AllEqualRewards.Config())])
     m = make_manager(backend, task)
-    try:
-        with pytest.raises(RuntimeError, match="5 groups in a row were filtered out"):
-            run(window(m, backend, 2, 1))
-        assert task.strategy.pending == 0 and backend.inflight == 0
-    finally:
-        close(m)
+    with pytest.raises(RuntimeError, match="5 groups in a row were filtered out"):
+        run(window(m, backend, 2, 1))
+    assert task.strategy.pending == 0 and backend.inflight == 0
 
 
 def test_broken_agent_loop_fails_samples_not_the_run():
@@ -728,16 +695,13 @@ def test_broken_agent_loop_fails_samples_not_the_run():
     task.agent_loop = Broken(old.config, backend=backend, judge_pool=old.judge_pool, tokenizer=Tok(),
                              eos_token_ids=[EOS], seed=0)
     m = make_manager(backend, task)
-    try:
-        res = run(window(m, backend, 4, 1))
-        assert len(res.groups) == 4 and res.metrics["rollout/failed_groups"] >= 1
-        assert res.metrics["rollout/failed_samples"] == 2 * res.metrics["rollout/failed_groups"]
-        task.agent_loop.run_group = lambda samples: (_ for _ in ()).throw(KeyError("always"))
-        with pytest.raises(RuntimeError, match="3 groups in a row failed completely.*agent loop raised KeyError"):
-            run(window(m, backend, 4, 2))
-        assert task.strategy.pending == 0
-    finally:
-        close(m)
+    res = run(window(m, backend, 4, 1))
+    assert len(res.groups) == 4 and res.metrics["rollout/failed_groups"] >= 1
+    assert res.metrics["rollout/failed_samples"] == 2 * res.metrics["rollout/failed_groups"]
+    task.agent_loop.run_group = lambda samples: (_ for _ in ()).throw(KeyError("always"))
+    with pytest.raises(RuntimeError, match="3 groups in a row failed completely.*agent loop raised KeyError"):
+        run(window(m, backend, 4, 2))
+    assert task.strategy.pending == 0
 
 
 # ============================================================================ manager
@@ -746,18 +710,15 @@ def test_batch_size_errors_and_task_validation():
     backend = ScriptedBackend()
     t = make_task("t", backend)
     m = make_manager(backend, t)
-    try:
-        with pytest.raises(ValueError, match="produce_batch expects batch_size > 0, got 0"):
-            run(m.produce_batch(0, 1, 0))
-        with pytest.raises(ValueError, match="duplicate task name 't'"):
-            make_manager(backend, t, t)
-        with pytest.raises(ValueError, match="at least one task"):
-            RolloutManager([], AsyncReplayBuffer(), backend, [])
-        t.weight = 0
-        with pytest.raises(ValueError, match="weight must be positive"):
-            make_manager(backend, t)
-    finally:
-        close(m)
+    with pytest.raises(ValueError, match="produce_batch expects batch_size > 0, got 0"):
+        run(m.produce_batch(0, 1, 0))
+    with pytest.raises(ValueError, match="duplicate task name 't'"):
+        make_manager(backend, t, t)
+    with pytest.raises(ValueError, match="at least one task"):
+        RolloutManager([], AsyncReplayBuffer(), backend, [])
+    t.weight = 0
+    with pytest.raises(ValueError, match="weight must be positive"):
+        make_manager(backend, t)
 
 
 def test_multitask_order_sizes_and_per_task_metrics():
@@ -766,15 +727,12 @@ def test_multitask_order_sizes_and_per_task_metrics():
     b, a = make_task("b", backend), make_task("a", backend)
     b.weight, a.weight = 1.0, 2.0
     m = make_manager(backend, b, a)  # config order b, a
-    try:
-        res = run(window(m, backend, 9, 1))
-        assert res.task_sizes == {"b": 3, "a": 6}
-        assert [g.task_name for g in res.groups] == ["a"] * 6 + ["b"] * 3
-        assert [g.group_id for g in res.groups[:6]] == sorted(g.group_id for g in res.groups[:6])
-        assert res.metrics["task/a/groups"] == 6 and res.metrics["task/b/groups"] == 3
-        assert res.metrics["task/a/samples"] == 12 and res.metrics["task/b/reward_mean"] == 0.5
-    finally:
-        close(m)
+    res = run(window(m, backend, 9, 1))
+    assert res.task_sizes == {"b": 3, "a": 6}
+    assert [g.task_name for g in res.groups] == ["a"] * 6 + ["b"] * 3
+    assert [g.group_id for g in res.groups[:6]] == sorted(g.group_id for g in res.groups[:6])
+    assert res.metrics["task/a/groups"] == 6 and res.metrics["task/b/groups"] == 3
+    assert res.metrics["task/a/samples"] == 12 and res.metrics["task/b/reward_mean"] == 0.5
 
 
 def test_counters_are_read_once():
@@ -849,12 +807,9 @@ def test_ensure_target_upto_accumulates_per_step_allocations():
     backend = ScriptedBackend()
     a, b = make_task("a", backend), make_task("b", backend)
     m = make_manager(backend, a, b, allocate=lambda bs, step: {"a": step, "b": bs - step})
-    try:
-        assert m.ensure_target_upto(4, 2) == {"a": 2, "b": 2}
-        assert m.target_samples == {"a": 3, "b": 5}
-        assert m.ensure_target_upto(4, 2) == {"a": 2, "b": 2} and m.target_samples == {"a": 3, "b": 5}
-    finally:
-        close(m)
+    assert m.ensure_target_upto(4, 2) == {"a": 2, "b": 2}
+    assert m.target_samples == {"a": 3, "b": 5}
+    assert m.ensure_target_upto(4, 2) == {"a": 2, "b": 2} and m.target_samples == {"a": 3, "b": 5}
 
 
 def test_produce_round_expired_and_pause_return_before_sampling():
@@ -894,10 +849,7 @@ def test_get_batch_expired_semantics():
         assert [g.group_id for g in res.groups] == [0] and res.status == ProduceStatus.EXPIRED_BATCH
         assert m.consumed_samples == {"t": 1} and m.next_consumer_step == 3
 
-    try:
-        run(go())
-    finally:
-        close(m)
+    run(go())
 
 
 async def _trainer(m, backend, steps, batch, interval, log):
@@ -1035,11 +987,8 @@ def test_get_batch_surfaces_producer_errors_and_times_out():
             await m2.shutdown()
             close(m2)
 
-    try:
-        run(go())
-        run(slow())
-    finally:
-        close(m)
+    run(go())
+    run(slow())
 
 
 # ============================================================== property: colocated windows
@@ -1068,28 +1017,25 @@ def test_colocated_windows_lose_nothing_and_respect_the_bound(lengths, steps, in
     thr = (max_staleness + 1) * interval
     trained: list[int] = []
     discarded = 0
-    try:
-        for step in range(1, steps + 1):
-            res = run(window(m, backend, batch, step, interval))
-            assert task.strategy.pending == 0
-            discarded += res.metrics["rollout/dropped_retry_groups"] + res.metrics["rollout/filtered_groups"]
-            discarded += res.metrics["rollout/failed_groups"]
-            for g in res.groups:
-                trained.append(g.group_id)
-                for s in g.samples:
-                    assert s.status == Status.COMPLETED and s.reward is not None
-                    assert len(s.response_ids) == len(s.token_versions) == len(s.logprobs) <= 8
-                    assert s.token_versions == sorted(s.token_versions)
-                    assert s.staleness == step - min(s.token_versions) - 1 < thr
-            if step < steps:  # a checkpoint between any two steps changes nothing
-                state = pickle.loads(pickle.dumps(m.state_dict()))
-                fresh = AsyncReplayBuffer()
-                fresh.load_state_dict(state["buffer"])
-                assert fresh.state_dict() == state["buffer"]
-                m.buffer = fresh
-        assert len(trained) == len(set(trained))
-        stored = [g.group_id for g in m.buffer.groups()]
-        assert not set(stored) & set(trained)
-        assert task.sampler.groups_sampled == len(trained) + len(stored) + discarded + m.buffer.discarded_expired
-    finally:
-        close(m)
+    for step in range(1, steps + 1):
+        res = run(window(m, backend, batch, step, interval))
+        assert task.strategy.pending == 0
+        discarded += res.metrics["rollout/dropped_retry_groups"] + res.metrics["rollout/filtered_groups"]
+        discarded += res.metrics["rollout/failed_groups"]
+        for g in res.groups:
+            trained.append(g.group_id)
+            for s in g.samples:
+                assert s.status == Status.COMPLETED and s.reward is not None
+                assert len(s.response_ids) == len(s.token_versions) == len(s.logprobs) <= 8
+                assert s.token_versions == sorted(s.token_versions)
+                assert s.staleness == step - min(s.token_versions) - 1 < thr
+        if step < steps:  # a checkpoint between any two steps changes nothing
+            state = pickle.loads(pickle.dumps(m.state_dict()))
+            fresh = AsyncReplayBuffer()
+            fresh.load_state_dict(state["buffer"])
+            assert fresh.state_dict() == state["buffer"]
+            m.buffer = fresh
+    assert len(trained) == len(set(trained))
+    stored = [g.group_id for g in m.buffer.groups()]
+    assert not set(stored) & set(trained)
+    assert task.sampler.groups_sampled == len(trained) + len(stored) + discarded + m.buffer.discarded_expired
