@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import importlib
 import logging
 import os
+import warnings
+import weakref
 from types import SimpleNamespace
 from typing import Any, ClassVar, Literal
 
@@ -34,8 +37,11 @@ log = logging.getLogger(__name__)
 _DOC = """
 vLLM's ``LLMEngine`` runs in the rlcli process (``multiprocess_mode=False``, the "uni" executor,
 ``skip_tokenizer_init``: token ids in, token ids out) and is stepped on the plugin's engine thread.
-Each step's outputs stream into the requests (``RequestOutputKind.DELTA``), so ``pause()`` aborts
-requests by id (``abort_request``) and returns exactly the tokens and logprobs produced so far.
+A request's output comes back once, when it finishes (``RequestOutputKind.FINAL_ONLY``, as
+``LLM.generate`` asks for it: per-step outputs for 512 requests cost more host time per step than
+the GPU's decode step on small models). ``pause()`` reads each in-flight request's tokens and
+logprobs from vLLM's output-processor state, then aborts it (``abort_request``), so exactly the
+tokens and logprobs produced so far come back.
 
 * **Logprobs**: vLLM's ``logprobs_mode`` (option ``logprobs_mode``). The default,
   "processed_logprobs", is ``log_softmax(logits / T)`` - the contract's value - whenever top_k is 0
@@ -72,9 +78,87 @@ def _cumem_bytes_in_use() -> int:
     return 0 if instance is None else int(instance.get_current_usage())
 
 
+# What an engine that was shut down may leave in vLLM's sleep-mode allocator before the next one
+# refuses to start (see VLLMBackend._allocator_guard).
+_STALE_LIMIT_BYTES = 64 * 2**20
+
+
+def _cumem_leftovers() -> str:
+    """What vLLM's sleep-mode allocator still holds, by tag (for messages)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:
+        return ""
+    instance = CuMemAllocator.instance
+    if instance is None:
+        return ""
+    by_tag: dict[str, list[int]] = {}
+    for data in list(instance.pointer_to_data.values()):
+        by_tag.setdefault(str(data.tag), []).append(int(data.handle[1]))
+    return ", ".join(f"{tag}: {len(sizes)} allocation(s), {sum(sizes) / 2**20:.0f} MiB" for tag, sizes in by_tag.items())
+
+
+def _stale_holders(limit: int = 5) -> str:
+    """Tensors still living in vLLM's sleep-mode allocations, with what refers to them (for the
+    warning after shutdown: which object keeps the memory)."""
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+    except Exception:
+        return ""
+    instance = CuMemAllocator.instance
+    if instance is None or not instance.pointer_to_data:
+        return ""
+    ranges = [(int(p), int(p) + int(d.handle[1])) for p, d in list(instance.pointer_to_data.items())]
+    found = []
+    with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    for obj in tensors:
+        try:
+            if not obj.is_cuda:
+                continue
+            ptr = obj.untyped_storage().data_ptr()
+        except Exception:
+            continue
+        if any(lo <= ptr < hi for lo, hi in ranges):
+            owners = [type(r).__qualname__ for r in gc.get_referrers(obj) if r is not tensors][:4]
+            found.append(f"{tuple(obj.shape)} {obj.dtype} held by {owners}")
+            if len(found) >= limit:
+                break
+    return "; ".join(found) or "no live tensor found"
+
+
+def _drop_engine_globals() -> None:
+    """Release what vLLM keeps process-wide after an engine is gone, so that sleep-mode memory can
+    return to the allocator: captured CUDA graphs (their wrappers are registered class-wide), the
+    platform's global CUDA-graph pool, and the allocator's kept-alive memory pools. Each step is
+    best effort (names as in vLLM 0.26.0)."""
+    for module, cls in (("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
+                        ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphWrapper")):
+        try:
+            getattr(importlib.import_module(module), cls).clear_all_graphs()
+        except Exception:
+            log.debug("vLLM backend: %s.clear_all_graphs failed", cls, exc_info=True)
+    try:
+        from vllm.platforms import current_platform
+
+        if getattr(type(current_platform), "_global_graph_pool", None) is not None:
+            type(current_platform)._global_graph_pool = None
+    except Exception:
+        log.debug("vLLM backend: cannot drop the global CUDA-graph pool", exc_info=True)
+    try:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        if CuMemAllocator.instance is not None:
+            CuMemAllocator.instance.release_pools()
+    except Exception:
+        log.debug("vLLM backend: CuMemAllocator.release_pools failed", exc_info=True)
+
+
 def _release_device_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
+        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 
@@ -106,6 +190,7 @@ def _keep_default_process_group(keep: bool):
 
 class VLLMBackend(EngineBackend):
     name: ClassVar[str] = "vllm"
+    _live: ClassVar[weakref.WeakSet] = weakref.WeakSet()  # backends whose engine is up (one per process)
     engine = ENGINE
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
 
@@ -225,26 +310,56 @@ class VLLMBackend(EngineBackend):
             for key, value in engine_environment(self.ctx.dtype, os.environ).items():
                 os.environ[key] = value
                 log.info("vLLM backend: %s=%s", key, value)
-        self._check_allocator_free()
         try:
-            self._engine, self.max_model_len = self._build_engine(self._api)
+            with self._allocator_guard():
+                self._engine, self.max_model_len = self._build_engine(self._api)
         except BaseException:
             self._cleanup_failed_start()
             raise
+        VLLMBackend._live.add(self)
 
-    def _check_allocator_free(self) -> None:
+    @contextlib.contextmanager
+    def _allocator_guard(self):
         """vLLM asserts that its sleep-mode allocator is empty when an engine loads its weights (one
-        engine per process): collect what an earlier engine left, else fail with the reason."""
+        engine per process). Collect what an earlier engine left; refuse to start next to a live vLLM
+        backend or over a large remainder. A small remainder of an engine that was shut down (vLLM
+        0.26 keeps one 2 MiB "weights" allocation referenced after ``shutdown``, measured on the
+        H200) is left out of that assertion while this engine loads: it stays in the allocator's
+        books (so its eventual free is handled as usual) and sleeps and wakes with this engine."""
         if _cumem_bytes_in_use() == 0:
+            yield
             return
+        live = [b for b in list(VLLMBackend._live) if b is not self and b._engine is not None]
+        if live:
+            raise RuntimeError("another vLLM backend is running in this process; vLLM runs one sleep-mode engine per "
+                               "process: shut the other vllm backend down first")
+        _drop_engine_globals()
         _release_device_memory()
         held = _cumem_bytes_in_use()
-        if held:
+        if held == 0:
+            yield
+            return
+        if held > _STALE_LIMIT_BYTES:
             raise RuntimeError(
                 f"vLLM's sleep-mode allocator still holds {held / 2**20:.0f} MiB of an earlier vLLM engine in this "
-                f"process; vLLM runs one sleep-mode engine per process: shut the other vllm backend down first "
-                f"(and drop references to it)"
+                f"process ({_cumem_leftovers()}); vLLM runs one sleep-mode engine per process: drop the references "
+                f"to the earlier engine, or start this one in a new process"
             )
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        allocator = CuMemAllocator.instance
+        stale = set(allocator.pointer_to_data)
+        log.warning("vLLM backend: %s of an earlier, shut-down vLLM engine is still referenced (%s); starting the "
+                    "new engine beside it", f"{held / 2**20:.0f} MiB", _cumem_leftovers())
+
+        def usage_without_stale() -> int:
+            return sum(int(d.handle[1]) for p, d in list(allocator.pointer_to_data.items()) if p not in stale)
+
+        allocator.get_current_usage = usage_without_stale  # instance attribute: shadows the method
+        try:
+            yield
+        finally:
+            del allocator.get_current_usage
 
     def _cleanup_failed_start(self) -> None:
         """A start that failed half way: release vLLM's distributed state and memory for the next try."""
@@ -260,7 +375,7 @@ class VLLMBackend(EngineBackend):
     async def _engine_generate(self, job: Job) -> tuple[str, str | None]:
         sp = self._api.SamplingParams(
             **sampling_kwargs(job.params, stop_ids=job.stop_ids, budget=job.budget, seed=job.seed),
-            output_kind=self._api.RequestOutputKind.DELTA,
+            output_kind=self._api.RequestOutputKind.FINAL_ONLY,
         )
         fut = asyncio.get_running_loop().create_future()
         self._waiters[job.rid] = (fut, job)
@@ -319,11 +434,33 @@ class VLLMBackend(EngineBackend):
         rids = [j.rid for j in jobs if j.rid in self._waiters]
         if not rids:
             return
+        partial = {rid: self._partial_output(rid) for rid in rids}  # before abort_request drops the state
         self._engine.abort_request(rids)
         for rid in rids:
-            fut, _ = self._waiters.pop(rid)
+            fut, job = self._waiters.pop(rid)
+            try:
+                ids, lps = partial[rid]
+                job.add(ids, lps)
+            except Exception as exc:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"vLLM: cannot read the partial output of {rid}: {exc}"))
+                continue
             if not fut.done():
                 fut.set_result(("abort", None))
+
+    def _partial_output(self, rid: str) -> tuple[list[int], list[float]]:
+        """Tokens and logprobs a request has produced so far, from vLLM's output processor
+        (``LLMEngine.output_processor``: external request id -> internal ids -> ``RequestState``,
+        whose detokenizer holds the output token ids and whose logprobs processor the logprobs;
+        with ``FINAL_ONLY`` nothing of them was sent yet)."""
+        proc = self._engine.output_processor
+        for internal in list(proc.external_req_ids.get(rid, ())):
+            state = proc.request_states.get(internal)
+            if state is None:
+                continue
+            ids = [int(t) for t in state.detokenizer.output_token_ids]
+            return ids, token_logprobs(ids, state.logprobs_processor.logprobs)
+        return [], []
 
     async def _engine_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         if self._weights_asleep:
@@ -363,6 +500,7 @@ class VLLMBackend(EngineBackend):
             except Exception:
                 log.warning("vLLM backend: wake_up before shutdown failed", exc_info=True)
         engine, self._engine = self._engine, None
+        VLLMBackend._live.discard(self)
         try:
             with _keep_default_process_group(not self._owns_default_group):
                 engine.engine_core.shutdown()
@@ -370,11 +508,12 @@ class VLLMBackend(EngineBackend):
             # The LLMEngine holds the model until it is collected (its finalizer): drop it, then
             # give the sleep-mode pool back so that a later engine in this process can start.
             del engine
+            _drop_engine_globals()
             _release_device_memory()
             held = _cumem_bytes_in_use()
             if held:
-                log.warning("vLLM backend: %.0f MiB of vLLM's sleep-mode memory is still referenced after shutdown; "
-                            "a later vLLM engine in this process will fail to start", held / 2**20)
+                log.warning("vLLM backend: %.0f MiB of vLLM's sleep-mode memory is still referenced after shutdown "
+                            "(%s; tensors in it: %s)", held / 2**20, _cumem_leftovers(), _stale_holders())
 
     def _engine_stats(self) -> dict[str, float]:
         steps, self._steps = self._steps, 0

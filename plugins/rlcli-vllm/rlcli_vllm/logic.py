@@ -14,9 +14,12 @@ Matched against the vLLM 0.26.0 sources (wheel ``vllm-0.26.0-cp38-abi3-manylinux
   ``min_tokens`` also masks the model's EOS ids.
 * ``vllm/outputs.py`` ``RequestOutput`` / ``CompletionOutput``: ``request_id`` is the id given to
   ``add_request`` (vLLM appends a random suffix internally, ``abort_request`` takes either);
-  ``token_ids`` and ``logprobs`` are deltas with ``RequestOutputKind.DELTA``
-  (``vllm/v1/engine/output_processor.py`` slices ``logprobs[-len(token_ids):]``).
-  ``LLMEngine.abort_request`` produces no output (only ``AsyncLLM`` gets a final "abort" one).
+  with ``RequestOutputKind.FINAL_ONLY`` one output per request, when it finishes, holding all its
+  ``token_ids`` and ``logprobs``. ``LLMEngine.abort_request`` produces no output (only ``AsyncLLM``
+  gets a final "abort" one); ``vllm/v1/engine/output_processor.py``: ``OutputProcessor``
+  maps external ids to internal ones (``external_req_ids``) and keeps a ``RequestState`` per
+  internal id (``request_states``) whose ``detokenizer.output_token_ids`` and
+  ``logprobs_processor.logprobs`` hold what the request has produced so far.
 * ``vllm/logprobs.py``: ``FlatLogprobs(start_indices, end_indices, token_ids, logprobs, ranks,
   decoded_tokens)`` or ``list[dict[int, Logprob]]``; with ``logprobs=0`` each position holds the
   sampled token only.
@@ -138,7 +141,7 @@ def check_engine_kwargs(extra: dict[str, Any], known: set[str] | None = None) ->
 
 def sampling_kwargs(params: SampleParams, *, stop_ids: Sequence[int], budget: int, seed: int | None) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments for one request (the caller adds
-    ``output_kind=RequestOutputKind.DELTA``).
+    ``output_kind=RequestOutputKind.FINAL_ONLY``).
 
     Stops are the plugin's: ``ignore_eos=True`` switches vLLM's own EOS off and ``stop_token_ids``
     carries the run's EOS ids (unless the request ignores EOS) and the request's stop ids, so the

@@ -6,7 +6,9 @@ cumulative_logprob, logprobs, routed_experts, finish_reason, stop_reason)``), ``
 (``FlatLogprobs(start_indices, end_indices, token_ids, logprobs, ranks, decoded_tokens)``) and the
 ``vllm/v1/engine/llm_engine.py`` ``LLMEngine`` methods ``add_request``, ``step``, ``abort_request``,
 ``has_unfinished_requests``, ``sleep``, ``wake_up``, ``collective_rpc``, ``reset_prefix_cache``,
-``engine_core.shutdown``. The "model" is a hash of the context plus a weight offset that
+``engine_core.shutdown``, and ``LLMEngine.output_processor`` (``vllm/v1/engine/output_processor.py``:
+``external_req_ids`` maps the caller's id to internal ids, ``request_states`` an internal id to a
+``RequestState`` with ``detokenizer.output_token_ids`` and ``logprobs_processor.logprobs``). The "model" is a hash of the context plus a weight offset that
 ``collective_rpc("rlcli_load_weights", ...)`` changes, so updates change outputs.
 
 Behaviour mirrored from vLLM 0.26.0 where the plugin depends on it: ``SamplingParams`` validates
@@ -120,7 +122,8 @@ class SamplingParams:
 
 
 class FakeLLMEngine:
-    """One token per running request per ``step()``; DELTA outputs with FlatLogprobs."""
+    """One token per running request per ``step()``; DELTA or FINAL_ONLY outputs with FlatLogprobs
+    (all positions so far with FINAL_ONLY, the new one with DELTA)."""
 
     def __init__(self, vocab: int, step_s: float = 0.002):
         self.vocab = vocab
@@ -131,6 +134,7 @@ class FakeLLMEngine:
         self.calls: list[tuple] = []
         self.fail_next_step = False
         self.engine_core = SimpleNamespace(shutdown=self._shutdown)
+        self.output_processor = SimpleNamespace(external_req_ids={}, request_states={})
         self.thread_ids: set[int] = set()
 
     # ------------------------------------------------------------------ requests
@@ -139,9 +143,22 @@ class FakeLLMEngine:
         assert isinstance(request_id, str)
         assert params.output_kind in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY)
         assert list(prompt) == ["prompt_token_ids"], prompt  # a TokensPrompt dict
-        self.requests[request_id] = {"prompt": list(prompt["prompt_token_ids"]), "sp": params, "gen": []}
+        internal = request_id + "-internal"
+        r = {"prompt": list(prompt["prompt_token_ids"]), "sp": params, "gen": [], "flat": FlatLogprobs(),
+             "internal": internal}
+        self.requests[request_id] = r
+        self.output_processor.external_req_ids[request_id] = [internal]
+        self.output_processor.request_states[internal] = SimpleNamespace(
+            detokenizer=SimpleNamespace(output_token_ids=r["gen"]),
+            logprobs_processor=SimpleNamespace(logprobs=r["flat"] if params.logprobs is not None else None))
         self.calls.append(("add_request", request_id))
-        return request_id + "-internal"
+        return internal
+
+    def _forget(self, rid: str) -> None:
+        r = self.requests.pop(rid, None)
+        if r is not None:
+            self.output_processor.external_req_ids.pop(rid, None)
+            self.output_processor.request_states.pop(r["internal"], None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -149,7 +166,7 @@ class FakeLLMEngine:
     def abort_request(self, request_ids, internal=False):
         self.calls.append(("abort_request", tuple(request_ids)))
         for rid in request_ids:
-            self.requests.pop(rid, None)
+            self._forget(rid)
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
@@ -183,6 +200,14 @@ class FakeLLMEngine:
             flat.ranks.append(2)
             flat.decoded_tokens.append(None)
             flat.end_indices.append(len(flat.token_ids))
+            acc = r["flat"]  # the request's logprobs so far (the output processor's state)
+            base = len(acc.token_ids)
+            acc.start_indices.append(base)
+            acc.token_ids += flat.token_ids
+            acc.logprobs += flat.logprobs
+            acc.ranks += flat.ranks
+            acc.decoded_tokens += flat.decoded_tokens
+            acc.end_indices.append(len(acc.token_ids))
             finish = None
             if tok in stops and n + 1 >= min_tokens:  # vLLM checks stop ids before the length limit
                 finish = "stop"
@@ -191,7 +216,8 @@ class FakeLLMEngine:
             if sp.output_kind == RequestOutputKind.FINAL_ONLY:
                 if finish is None:
                     continue
-                flat, ids = None, list(r["gen"])  # (a bare-engine caller that asked for no logprobs)
+                flat = acc if sp.logprobs is not None else None
+                ids = list(r["gen"])
             else:
                 ids = [tok]
             outs.append(
@@ -205,7 +231,7 @@ class FakeLLMEngine:
                 )
             )
             if finish is not None:
-                del self.requests[rid]
+                self._forget(rid)
         return outs
 
     # ------------------------------------------------------------------ control

@@ -1,5 +1,5 @@
 """The vLLM backend's own code paths over a CPU stand-in for vLLM's ``LLMEngine`` (fake_vllm.py):
-stepping, DELTA parsing, pause with partial tokens, weight updates (also while asleep), sleep
+stepping, FINAL_ONLY outputs, pause with partial tokens read from the output processor, weight updates (also while asleep), sleep
 tags, engine failures, shutdown."""
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ def test_stop_ids_and_eos_reach_vllm_as_stop_token_ids(backend):
     assert out.token_ids == [first] and out.finish_reason == "stop"
     sp = next(iter(seen.values()))
     assert sp.stop_token_ids == [2, first] and sp.ignore_eos is True and sp.logprobs == 0
+    assert sp.output_kind.name == "FINAL_ONLY"  # one output per request, as LLM.generate asks
     assert sp.seed is not None  # use_request_seeds: a seed is always passed
     out = asyncio.run(gen(backend, [9, 9], max_tokens=8, min_tokens=3, stop_token_ids=[first]))
     assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
@@ -80,6 +81,7 @@ def test_pause_returns_partial_tokens_and_refuses_new_requests(backend):
     assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 400
     assert part.token_ids == expected(backend, [1, 2, 3], len(part.token_ids))
     assert len(part.logprobs) == len(part.versions) == len(part.token_ids)
+    assert part.logprobs == pytest.approx([token_logprob(t) for t in part.token_ids])  # read before the abort
     assert late.finish_reason == "abort" and late.token_ids == []
     assert part.token_ids + rest.token_ids == expected(backend, [1, 2, 3], 400)
     assert any(c[0] == "abort_request" for c in backend.fake.calls)
@@ -216,3 +218,74 @@ def test_the_real_backend_refuses_cpu_and_multi_rank(tiny_qwen2):
     ctx.world_size = 2
     with pytest.raises(ValueError, match="single-rank"):
         VLLMBackend(VLLMBackend.Config(), ctx)
+
+
+class _Allocation:
+    def __init__(self, size, tag):
+        self.handle, self.tag = (0, size, 0, None), tag
+
+
+class _FakeCuMemAllocator:
+    """vllm.device_allocator.cumem.CuMemAllocator as the plugin reads it (a process-wide singleton
+    whose ``get_current_usage`` sums ``pointer_to_data``; vLLM asserts it is 0 before loading weights)."""
+
+    instance = None
+
+    def __init__(self):
+        self.pointer_to_data = {}
+        self.released = 0
+
+    def get_current_usage(self):
+        return sum(d.handle[1] for d in self.pointer_to_data.values())
+
+    def release_pools(self):
+        self.released += 1
+
+
+@pytest.fixture
+def fake_cumem(monkeypatch):
+    import sys
+    import types
+
+    mod = types.ModuleType("vllm.device_allocator.cumem")
+    mod.CuMemAllocator = _FakeCuMemAllocator
+    _FakeCuMemAllocator.instance = _FakeCuMemAllocator()
+    for name in ("vllm", "vllm.device_allocator"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "vllm.device_allocator.cumem", mod)
+    yield _FakeCuMemAllocator.instance
+    _FakeCuMemAllocator.instance = None
+
+
+class _UsageRecordingBackend(FakeVLLMBackend):
+    def _build_engine(self, api):
+        self.usage_at_build = _FakeCuMemAllocator.instance.get_current_usage()  # what vLLM's assertion reads
+        return super()._build_engine(api)
+
+
+def test_a_new_engine_starts_beside_a_small_stale_allocation(fake_cumem, tiny_qwen2, caplog):
+    fake_cumem.pointer_to_data[0x1000] = _Allocation(2 * 2**20, "weights")  # what vLLM 0.26 leaves after shutdown
+    be = _UsageRecordingBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    try:
+        assert be.usage_at_build == 0  # the stale allocation is left out of vLLM's one-engine assertion...
+        assert fake_cumem.get_current_usage() == 2 * 2**20  # ...only while the engine is built
+        assert fake_cumem.released >= 1  # kept-alive pools were released first
+        assert "2 MiB of an earlier, shut-down vLLM engine" in caplog.text and "weights: 1 allocation(s)" in caplog.text
+        out = asyncio.run(gen(be, [5, 6], max_tokens=4, ignore_eos=True))
+        assert len(out.token_ids) == 4
+    finally:
+        be.shutdown()
+
+
+def test_a_new_engine_refuses_a_large_remainder_or_a_live_engine(fake_cumem, tiny_qwen2):
+    fake_cumem.pointer_to_data[0x1000] = _Allocation(512 * 2**20, "kv_cache")
+    with pytest.raises(RuntimeError, match=r"still holds 512 MiB .*kv_cache: 1 allocation\(s\), 512 MiB"):
+        FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    fake_cumem.pointer_to_data.clear()
+    first = FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    try:
+        fake_cumem.pointer_to_data[0x2000] = _Allocation(2 * 2**20, "weights")  # the first engine's memory
+        with pytest.raises(RuntimeError, match="another vLLM backend is running"):
+            FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
+    finally:
+        first.shutdown()

@@ -166,7 +166,7 @@ def test_sampling_kwargs_are_accepted_by_vllms_validation():
     for p in (SampleParams(), SampleParams(temperature=0.0, top_k=7, top_p=0.3), SampleParams(temperature=2.0),
               SampleParams(max_tokens=4, min_tokens=4, top_k=100000, stop_token_ids=[3, 4])):
         sp = SamplingParams(**sampling_kwargs(p, stop_ids=p.stop_token_ids, budget=p.max_tokens, seed=2**63 - 1),
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.FINAL_ONLY)
         assert sp.max_tokens == p.max_tokens and sp.logprobs == 0
 
 
