@@ -25,6 +25,7 @@ from rlcli_lmdeploy.logic import (
     logprob_caveat,
     request_problem,
     token_logprobs,
+    upcast_logits,
 )
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ on the plugin's engine thread; requests go in as token ids through ``EngineInsta
 
 * **Logprobs**: ``logprobs_mode="raw_logprobs"``: ``log_softmax`` of the raw logits - the contract's
   value at temperature 1 and for greedy requests, temperature-1 logprobs otherwise (LMDeploy has no
-  temperature-scaled mode; a warning is logged once).
+  temperature-scaled mode; a warning is logged once). With ``float32_logits`` (default) the
+  engine's logits are upcast before sampling, so the logprobs are float32 rather than bfloat16.
 * **Pause**: ``async_cancel(session_id)`` per in-flight request; LMDeploy answers ``CANCEL`` with
   the tokens generated so far, whose logprobs arrived with them.
 * **Weights**: loaded in place into the engine's model (``model.load_weights`` with LMDeploy's own
@@ -82,6 +84,12 @@ class LMDeployBackend(EngineBackend):
             None, gt=0, description="Sequences decoded together (LMDeploy's max_batch_size). Default: LMDeploy's."
         )
         eager_mode: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
+        float32_logits: bool = Field(
+            True,
+            description="Upcast the engine's logits to float32 before sampling, so that logprobs are float32 "
+            "(LMDeploy computes them in the logits' dtype: bfloat16 logprobs, rounded by up to 0.03 per token, "
+            "for a bfloat16 model).",
+        )
         use_request_seeds: bool = Field(
             True, description="Pass each request's seed as LMDeploy's random_seed (reproducible samples per request)."
         )
@@ -165,6 +173,8 @@ class LMDeployBackend(EngineBackend):
         if not hasattr(getattr(self._lmd, "executor", None), "model_agent"):
             self._lmd.close()
             raise RuntimeError("LMDeploy did not build the in-process ('uni') executor the plugin needs")
+        if self.config.float32_logits:
+            upcast_logits(self._lmd.executor.model_agent)
         self._lmd.start_loop()
         size = int(getattr(self._lmd.engine_config, "max_batch_size", None) or 256)
         self._pool = asyncio.Queue()

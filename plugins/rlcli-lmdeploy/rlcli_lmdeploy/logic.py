@@ -26,7 +26,11 @@ Matched against the LMDeploy 0.18.0 sources (wheel ``lmdeploy-0.18.0-cp312-cp312
 * ``lmdeploy/pytorch/engine/logits_process.py`` ``FusedLogitsProcessor``: ``logprobs_mode``
   "raw_logprobs" is ``log_softmax`` of the raw logits before temperature, penalties, min-tokens
   masking and top-k/top-p; the only other mode is "raw_logits". So logprobs are the contract's
-  value at temperature 1 (and greedy) and temperature-1 logprobs otherwise.
+  value at temperature 1 (and greedy) and temperature-1 logprobs otherwise. ``log_softmax`` runs
+  in the logits' dtype, and the logits come from ``ModelAgent.get_logits``
+  (``lmdeploy/pytorch/engine/model_agent/agent.py``; called outside the CUDA graphs, for sampling
+  and logprobs alike) in the lm-head's dtype: bfloat16 logprobs for a bfloat16 model unless
+  upcast (:func:`upcast_logits`).
 """
 
 from __future__ import annotations
@@ -172,3 +176,20 @@ def logprob_caveat(params: SampleParams) -> str | None:
             f"logprobs at temperature {params.temperature} will differ"
         )
     return None
+
+
+def upcast_logits(agent: Any) -> None:
+    """Make LMDeploy's ``ModelAgent.get_logits`` return float32 logits (an instance attribute
+    shadowing the method): sampling and ``log_softmax`` then run in float32, so logprobs are
+    float32 values of the bf16 model's logits - as vLLM and SGLang return them - instead of being
+    rounded to bfloat16 (up to 0.03 per token between -8 and -16). Costs a float32 copy of each
+    step's logits (batch x vocab x 4 bytes)."""
+    if getattr(agent, "_rlcli_float32_logits", False):
+        return
+    original = agent.get_logits
+
+    def get_logits(hidden_states):
+        return original(hidden_states).float()
+
+    agent.get_logits = get_logits
+    agent._rlcli_float32_logits = True

@@ -19,7 +19,7 @@ Shapes read from the LMDeploy 0.18.0 wheel (written here, not copied):
   ``executor.model_agent``; the engine runs ``lmdeploy.pytorch.envs.enable_check_env``'s check at
   construction and calls ``exit(1)`` when it fails.
 * ``model_agent/agent.py``: ``all_context``, ``_load_updated_weight_bucket``,
-  ``_finalize_updated_weights``.
+  ``_finalize_updated_weights``, ``get_logits`` (the lm-head output, in the model's dtype).
 """
 
 from __future__ import annotations
@@ -149,6 +149,9 @@ class FakeAgent:
     def _finalize_updated_weights(self):
         assert self.in_context
         self.engine.calls.append(("finalize",))
+
+    def get_logits(self, hidden_states):
+        return hidden_states.to(torch.bfloat16)  # a bfloat16 model's lm head
 
 
 class FakeInstance:

@@ -243,3 +243,14 @@ def test_environment_check_runs_once_and_a_failed_check_raises(tiny_qwen2, monke
 def test_unknown_engine_kwargs_fail_at_start_with_the_option_named(tiny_qwen2):
     with pytest.raises(ValueError, match="rollout.engine_kwargs.*no_such_field"):
         FakeLMDeployBackend(FakeLMDeployBackend.Config(engine_kwargs={"no_such_field": 1}), context(tiny_qwen2))
+
+
+def test_the_engines_logits_are_upcast_to_float32_unless_disabled(backend, tiny_qwen2):
+    hidden = torch.randn(3, 8)
+    agent = backend.fake.executor.model_agent
+    assert agent.get_logits(hidden).dtype == torch.float32  # logprobs are computed from these
+    other = FakeLMDeployBackend(FakeLMDeployBackend.Config(float32_logits=False), context(tiny_qwen2))
+    try:
+        assert other.fake.executor.model_agent.get_logits(hidden).dtype == torch.bfloat16
+    finally:
+        other.shutdown()

@@ -116,3 +116,16 @@ def test_check_config_versions(monkeypatch):
     assert LMDeployBackend.check_config(cfg(engine_kwargs={"tp": 2})) == [
         ("engine_kwargs", "'tp' is set by the plugin (one GPU per engine (the plugin loads weights in process))")
     ]
+
+
+def test_upcast_logits_wraps_get_logits_once():
+    from types import SimpleNamespace
+
+    from rlcli_lmdeploy.logic import upcast_logits
+
+    calls = []
+    agent = SimpleNamespace(get_logits=lambda h: calls.append(1) or h.to(torch.bfloat16))
+    upcast_logits(agent)
+    upcast_logits(agent)  # idempotent: one float() around the original
+    out = agent.get_logits(torch.ones(2, 3))
+    assert out.dtype == torch.float32 and calls == [1]
