@@ -17,7 +17,10 @@ Sections:
               generated tok/s, training MFU (6·N·T FLOPs), weight sync s/GB, peak GPU memory
   --trl       TRL GRPOTrainer (transformers generate) on the same work, step times, peak memory
 Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
-split.png. A failing section prints its exact error and the others still run.
+split.png. A failing section prints its exact error and the others still run. `--profile` adds
+torch.profiler tables; `--memory` writes, for the third train step of each rlcli run, what was
+allocated at its peak and what it leaves allocated, grouped by allocation stack (recording the
+stacks slows the steps: use it in a run of its own, not for timings).
 """
 
 from __future__ import annotations
@@ -45,6 +48,72 @@ RESULTS: list[dict] = []
 PROFILE_DIR: Path | None = None  # --profile: torch.profiler tables are written here
 PROFILE_WHAT = "all"  # or "train": only the train step is profiled
 ENGINE_PLUGINS: list = []  # --engine-plugin: plugin modules registered for the rlcli runs (not pip-installed here)
+MEMORY_DIR: Path | None = None  # --memory: what is still allocated after a train step, with its allocation stack
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frames of an allocation outside torch's own machinery (torch.nn kept)."""
+    kept = [f for f in frames if "site-packages/torch/" not in f.get("filename", "")
+            or "torch/nn/" in f.get("filename", "")][:4]
+    return " <- ".join(f"{Path(f.get('filename', '?')).name}:{f.get('line', '?')} {f.get('name', '?')}"
+                       for f in kept) or "(no stack recorded)"
+
+
+def _grouped(title: str, blocks: list[tuple[int, list[dict]]], top: int) -> str:
+    groups: dict[str, list[int]] = {}
+    for size, frames in blocks:
+        groups.setdefault(_where(frames), []).append(size)
+    lines = [f"{title}: {sum(s for s, _ in blocks) / 2**30:.2f} GiB in {len(blocks)} blocks"]
+    for where, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"{sum(sizes) / 2**30:8.3f} GiB  {len(sizes):5d} blocks  {where}")
+    return "\n".join(lines)
+
+
+def summarize_snapshot(snapshot: dict, top: int = 25) -> str:
+    """The live (``active_allocated``) blocks of ``torch.cuda.memory._snapshot()``, grouped by the
+    innermost frames that allocated them, largest total first."""
+    blocks = [(int(b.get("size", 0)), b.get("frames", [])) for seg in snapshot.get("segments", [])
+              for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
+    return _grouped("live", blocks, top)
+
+
+def peak_in_trace(snapshot: dict, start_us: float | None = None, end_us: float | None = None, top: int = 25) -> str:
+    """What was allocated at the highest point of a window of the recorded allocation trace
+    (``device_traces`` of a snapshot taken with memory history on since before the model was
+    built): the trace is replayed from its start (``alloc`` adds a block, ``free_requested`` removes
+    it), the peak inside ``[start_us, end_us]`` is found, and the live blocks at that moment are
+    grouped by allocation stack."""
+    trace = (snapshot.get("device_traces") or [[]])[0]
+
+    def replay(stop: int | None):
+        live: dict[int, tuple[int, list[dict]]] = {}
+        total = best = 0
+        best_i = -1
+        for i, ev in enumerate(trace):
+            if stop is not None and i > stop:
+                break
+            action, addr = ev.get("action"), ev.get("addr")
+            if action == "alloc":
+                live[addr] = (int(ev.get("size", 0)), ev.get("frames", []))
+                total += live[addr][0]
+            elif action in ("free_requested", "free_completed") and addr in live:
+                total -= live.pop(addr)[0]
+            t = ev.get("time_us")
+            inside = (start_us is None or t is None or t >= start_us) and (end_us is None or t is None or t <= end_us)
+            if inside and total > best:
+                best, best_i = total, i
+        return live, best, best_i
+
+    _, best, best_i = replay(None)
+    what = "in the window"
+    if best_i < 0 and (start_us is not None or end_us is not None):  # clock mismatch: the whole trace
+        start_us = end_us = None
+        _, best, best_i = replay(None)
+        what = "in the whole trace (no event time fell in the window)"
+    if best_i < 0:
+        return "peak: no allocation recorded"
+    live, _, _ = replay(best_i)
+    return _grouped(f"peak {what} (trace event {best_i} of {len(trace)})", list(live.values()), top)
 
 
 def profiled(name: str):
@@ -252,6 +321,8 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     }
     raw = apply_overrides(raw, list(overrides or []))
     rec = validate_recipe(raw, registry=registry_with(BenchPlugin(), *ENGINE_PLUGINS))
+    if MEMORY_DIR is not None:  # from before the model is built: the trace holds every live block
+        torch.cuda.memory._record_memory_history(max_entries=3_000_000)
     runner = ColocateRunner(rec, quiet=True, overwrite=True)
     rows = []
     orig_log = runner.log
@@ -260,8 +331,18 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
 
     def train_step(seqs):  # --profile: the third train step (warm) under torch.profiler
         calls.append(1)
+        t_start = time.time() * 1e6
         with profiled(f"train-{label}") if len(calls) == 4 else contextlib.nullcontext():
-            return orig_train(seqs)
+            out = orig_train(seqs)
+        if MEMORY_DIR is not None and len(calls) == 3:  # --memory: the warm train step's peak, and what it leaves
+            torch.cuda.synchronize()
+            snap = torch.cuda.memory._snapshot()
+            text = (summarize_snapshot(snap) + "\n\n" + peak_in_trace(snap, t_start, time.time() * 1e6)
+                    + f"\n\ntorch.cuda.memory_allocated now: {torch.cuda.memory_allocated() / 2**30:.2f} GiB")
+            MEMORY_DIR.mkdir(parents=True, exist_ok=True)
+            (MEMORY_DIR / f"memory-train-{label}.txt").write_text(text + "\n")
+            print(f"[memory, train step 3, {label}]\n{text}", flush=True)
+        return out
 
     runner.worker.train_step = train_step
 
@@ -282,6 +363,8 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     try:
         runner.fit()
     finally:
+        if MEMORY_DIR is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
         runner.close()
     measured = rows[1:]  # step 1 warms up (CUDA graphs, allocator)
     if PROFILE_DIR is not None:  # steps 3 (whole step) and 4 (train) may have run under the profiler
@@ -413,8 +496,11 @@ def main() -> None:
     ap.add_argument("--profile", nargs="?", const="all", choices=["all", "train"],
                     help="torch.profiler tables (into --out, else printed): 'all' = one engine call, one whole "
                     "GRPO step and one train step; 'train' = the train step only (cheaper)")
+    ap.add_argument("--memory", action="store_true",
+                    help="record allocation stacks (slows the steps) and write, for the third train step of each rlcli "
+                    "run, what was allocated at its peak and what it leaves allocated (memory-train-<label>.txt, into --out)")
     args = ap.parse_args()
-    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR
+    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR, MEMORY_DIR
     if args.tiny:
         SHAPE.update(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128)
         DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
@@ -432,6 +518,10 @@ def main() -> None:
         ENGINE_PLUGINS.append(importlib.import_module(f"rlcli_{name}"))
     if args.profile:
         PROFILE_DIR = args.out or (root / "profile")
+    if args.memory:
+        if DEVICE != "cuda":
+            ap.error("--memory needs a CUDA device")
+        MEMORY_DIR = args.out or (root / "memory")
     global PROFILE_WHAT
     PROFILE_WHAT = args.profile or "all"
     peak = 787.0

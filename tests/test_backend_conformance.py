@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -51,8 +53,30 @@ def test_kit_reports_a_broken_backend(tmp_path):
     def make_broken(model_dir):
         return Renormalising(EmbeddedBackend.Config(max_batch_size=16), bc.default_context(model_dir))
 
-    with pytest.raises(AssertionError, match=r"\[logprobs_match_forward\]"):
+    with pytest.raises(AssertionError, match=r"\[logprobs_match_forward\]") as err:
         bc.run_all(make_broken, a, b, skip=["greedy_matches_reference"])
+    # the message locates the worst token, for diagnosis
+    assert re.search(r"largest at position \d+ of 16 \(token \d+: engine 0, forward -[\d.]+\); mean difference",
+                     str(err.value)), str(err.value)
+
+
+def test_logprob_check_bounds_the_mean_difference_too(tmp_path):
+    """``mean_atol``: a small bias on every token passes a loose ``atol`` but not a tight mean."""
+    a, _ = bc.make_tiny_model_dirs(tmp_path, arch="qwen2", seed=15)
+
+    class Biased(EmbeddedBackend):
+        async def generate(self, request):
+            out = await super().generate(request)
+            out.logprobs = [lp - 0.05 for lp in out.logprobs]
+            return out
+
+    def make_biased(model_dir):
+        return Biased(EmbeddedBackend.Config(max_batch_size=16), bc.default_context(model_dir))
+
+    settings = [dict(temperature=1.0)]
+    bc.check_logprobs_match_forward(make_biased, a, settings=settings, atol=0.1, max_tokens=6)
+    with pytest.raises(AssertionError, match=r"by 0.05 on average \(mean_atol 0.01\)"):
+        bc.check_logprobs_match_forward(make_biased, a, settings=settings, atol=0.1, mean_atol=0.01, max_tokens=6)
 
 
 @pytest.mark.gpu
