@@ -325,7 +325,10 @@ class VLLMBackend(EngineBackend):
         backend or over a large remainder. A small remainder of an engine that was shut down (vLLM
         0.26 keeps one 2 MiB "weights" allocation referenced after ``shutdown``, measured on the
         H200) is left out of that assertion while this engine loads: it stays in the allocator's
-        books (so its eventual free is handled as usual) and sleeps and wakes with this engine."""
+        books and sleeps and wakes with this engine. Its holder is some object vLLM keeps alive, so
+        it is not expected to be freed while this engine sleeps; if it were, vLLM 0.26 would unmap
+        the sleeping memory a second time (the hazard ``_engine_shutdown`` avoids by waking first).
+        Each engine adds its remainder: about 32 engines per process fit under the limit."""
         if _cumem_bytes_in_use() == 0:
             yield
             return
@@ -434,13 +437,19 @@ class VLLMBackend(EngineBackend):
         rids = [j.rid for j in jobs if j.rid in self._waiters]
         if not rids:
             return
-        partial = {rid: self._partial_output(rid) for rid in rids}  # before abort_request drops the state
+        partial: dict[str, Any] = {}
+        for rid in rids:  # before abort_request drops the state; one bad read must not stop the others
+            try:
+                partial[rid] = self._partial_output(rid)
+            except Exception as exc:
+                partial[rid] = exc
         self._engine.abort_request(rids)
         for rid in rids:
             fut, job = self._waiters.pop(rid)
             try:
-                ids, lps = partial[rid]
-                job.add(ids, lps)
+                if isinstance(partial[rid], Exception):
+                    raise partial[rid]
+                job.add(*partial[rid])
             except Exception as exc:
                 if not fut.done():
                     fut.set_exception(RuntimeError(f"vLLM: cannot read the partial output of {rid}: {exc}"))
@@ -508,8 +517,10 @@ class VLLMBackend(EngineBackend):
             # The LLMEngine holds the model until it is collected (its finalizer): drop it, then
             # give the sleep-mode pool back so that a later engine in this process can start.
             del engine
-            _drop_engine_globals()
             _release_device_memory()
+            if _cumem_bytes_in_use():  # only then: clear_all_graphs() reaches every vLLM graph in the process
+                _drop_engine_globals()
+                _release_device_memory()
             held = _cumem_bytes_in_use()
             if held:
                 log.warning("vLLM backend: %.0f MiB of vLLM's sleep-mode memory is still referenced after shutdown "

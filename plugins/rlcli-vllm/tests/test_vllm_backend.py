@@ -87,6 +87,29 @@ def test_pause_returns_partial_tokens_and_refuses_new_requests(backend):
     assert any(c[0] == "abort_request" for c in backend.fake.calls)
 
 
+def test_pause_aborts_every_request_even_when_one_partial_read_fails(backend):
+    from types import SimpleNamespace
+
+    async def main():
+        a = asyncio.ensure_future(gen(backend, [1, 2, 3], max_tokens=400, ignore_eos=True, temperature=0.0))
+        b = asyncio.ensure_future(gen(backend, [4, 5], max_tokens=400, ignore_eos=True, temperature=0.0))
+        await asyncio.sleep(0.1)
+        rid_a = next(rid for rid, r in backend.fake.requests.items() if r["prompt"] == [1, 2, 3])
+        state = backend.fake.output_processor.request_states[backend.fake.requests[rid_a]["internal"]]
+        state.logprobs_processor = SimpleNamespace(logprobs=None)  # a state the plugin cannot read
+        backend.pause()
+        out = await asyncio.wait_for(asyncio.gather(a, b), 5)
+        backend.resume()
+        return out
+
+    a, b = asyncio.run(main())
+    assert a.finish_reason == "error" and "partial output" in (a.error or "")
+    assert b.finish_reason == "abort" and 0 < len(b.token_ids) < 400 and len(b.logprobs) == len(b.token_ids)
+    aborted = [c[1] for c in backend.fake.calls if c[0] == "abort_request"]
+    assert aborted and len(aborted[-1]) == 2  # both requests left the engine
+    assert not backend.fake.requests
+
+
 def _named(model_dir, scale):
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     return [(n, t * scale) for n, t in model.state_dict().items()]
