@@ -182,6 +182,8 @@ class FakeInstance:
 
         def out(status, tokens):
             lps = [{t: token_logprob(t), (t + 1) % eng.vocab: -0.01} for t in tokens] if with_logprobs else None
+            if lps and eng.drop_logprob_of_step == step:  # a malformed output: a position lacks its token
+                lps[-1] = {(tokens[-1] + 1) % eng.vocab: -0.01}
             return EngineOutput(status, list(tokens), lps)
 
         try:
@@ -225,6 +227,7 @@ class FakeEngine:
     kv_tokens = 1_000_000  # what the KV cache holds
     step_s = 0.002
     read_every = 1
+    drop_logprob_of_step: int | None = None  # that step's output lacks the sampled token's logprob
     check_env_fails = False
     env_checks = 0
 

@@ -254,3 +254,12 @@ def test_the_engines_logits_are_upcast_to_float32_unless_disabled(backend, tiny_
         assert other.fake.executor.model_agent.get_logits(hidden).dtype == torch.bfloat16
     finally:
         other.shutdown()
+
+
+def test_a_malformed_logprob_fails_its_request_only(backend):
+    backend.fake.drop_logprob_of_step = 3  # parsed when the request ends (deltas are kept until then)
+    bad = asyncio.run(gen(backend, [4, 5], max_tokens=6, ignore_eos=True))
+    assert bad.finish_reason == "error" and "lack the sampled token" in (bad.error or "")
+    backend.fake.drop_logprob_of_step = None
+    good = asyncio.run(gen(backend, [4, 5], max_tokens=6, ignore_eos=True))
+    assert good.finish_reason == "length" and good.token_ids == expected(backend, [4, 5], 6)
