@@ -48,7 +48,7 @@ RESULTS: list[dict] = []
 PROFILE_DIR: Path | None = None  # --profile: torch.profiler tables are written here
 PROFILE_WHAT = "all"  # or "train": only the train step is profiled
 ENGINE_PLUGINS: list = []  # --engine-plugin: plugin modules registered for the rlcli runs (not pip-installed here)
-MEMORY_DIR: Path | None = None  # --memory: what is still allocated after a train step, with its allocation stack
+MEMORY_DIR: Path | None = None  # --memory: a train step's peak and what it leaves allocated, by allocation stack
 
 
 def _where(frames: list[dict]) -> str:
