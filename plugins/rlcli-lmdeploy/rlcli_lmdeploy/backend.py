@@ -237,7 +237,6 @@ class LMDeployBackend(EngineBackend):
     def _take(job: Job, chunks: list[tuple[Any, Any, str]]) -> None:
         """Add the kept deltas (token ids, their logprobs, status) to ``job``."""
         for ids, logprobs, status in chunks:
-            ids = list(ids)
             try:
                 job.add(ids, token_logprobs(ids, logprobs))
             except ValueError:

@@ -68,14 +68,20 @@ tokens and logprobs produced so far come back.
 """
 
 
-def _cumem_bytes_in_use() -> int:
-    """Bytes vLLM's sleep-mode allocator (``CuMemAllocator``, a process-wide singleton) still holds."""
+def _cumem() -> Any:
+    """vLLM's sleep-mode allocator (``CuMemAllocator``, a process-wide singleton), or None when there
+    is none (no engine built yet, or no CUDA build of vLLM)."""
     try:
         from vllm.device_allocator.cumem import CuMemAllocator
-    except Exception:  # no CUDA build of vLLM: nothing can be held
-        return 0
-    instance = CuMemAllocator.instance
-    return 0 if instance is None else int(instance.get_current_usage())
+    except Exception:
+        return None
+    return CuMemAllocator.instance
+
+
+def _cumem_bytes_in_use() -> int:
+    """Bytes vLLM's sleep-mode allocator still holds."""
+    allocator = _cumem()
+    return 0 if allocator is None else int(allocator.get_current_usage())
 
 
 # What an engine that was shut down may leave in vLLM's sleep-mode allocator before the next one
@@ -85,15 +91,9 @@ _STALE_LIMIT_BYTES = 64 * 2**20
 
 def _cumem_leftovers() -> str:
     """What vLLM's sleep-mode allocator still holds, by tag (for messages)."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except Exception:
-        return ""
-    instance = CuMemAllocator.instance
-    if instance is None:
-        return ""
+    allocator = _cumem()
     by_tag: dict[str, list[int]] = {}
-    for data in list(instance.pointer_to_data.values()):
+    for data in list(allocator.pointer_to_data.values()) if allocator is not None else []:
         by_tag.setdefault(str(data.tag), []).append(int(data.handle[1]))
     return ", ".join(f"{tag}: {len(sizes)} allocation(s), {sum(sizes) / 2**20:.0f} MiB" for tag, sizes in by_tag.items())
 
@@ -101,14 +101,10 @@ def _cumem_leftovers() -> str:
 def _stale_holders(limit: int = 5) -> str:
     """Tensors still living in vLLM's sleep-mode allocations, with what refers to them (for the
     warning after shutdown: which object keeps the memory)."""
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
-    except Exception:
+    allocator = _cumem()
+    if allocator is None or not allocator.pointer_to_data:
         return ""
-    instance = CuMemAllocator.instance
-    if instance is None or not instance.pointer_to_data:
-        return ""
-    ranges = [(int(p), int(p) + int(d.handle[1])) for p, d in list(instance.pointer_to_data.items())]
+    ranges = [(int(p), int(p) + int(d.handle[1])) for p, d in list(allocator.pointer_to_data.items())]
     found = []
     with warnings.catch_warnings():  # isinstance() on some deprecated torch objects warns
         warnings.simplefilter("ignore")
@@ -146,13 +142,23 @@ def _drop_engine_globals() -> None:
             type(current_platform)._global_graph_pool = None
     except Exception:
         log.debug("vLLM backend: cannot drop the global CUDA-graph pool", exc_info=True)
-    try:
-        from vllm.device_allocator.cumem import CuMemAllocator
+    allocator = _cumem()
+    if allocator is not None:
+        try:
+            allocator.release_pools()
+        except Exception:
+            log.debug("vLLM backend: CuMemAllocator.release_pools failed", exc_info=True)
 
-        if CuMemAllocator.instance is not None:
-            CuMemAllocator.instance.release_pools()
-    except Exception:
-        log.debug("vLLM backend: CuMemAllocator.release_pools failed", exc_info=True)
+
+def _collect_remainder() -> int:
+    """Give freed sleep-mode memory back; when some is still held, also drop what vLLM keeps
+    process-wide (``_drop_engine_globals``: this reaches every vLLM graph in the process, so only
+    then) and collect again. Returns the bytes still held."""
+    _release_device_memory()
+    if _cumem_bytes_in_use():
+        _drop_engine_globals()
+        _release_device_memory()
+    return _cumem_bytes_in_use()
 
 
 def _release_device_memory() -> None:
@@ -332,13 +338,10 @@ class VLLMBackend(EngineBackend):
         if _cumem_bytes_in_use() == 0:
             yield
             return
-        live = [b for b in list(VLLMBackend._live) if b is not self and b._engine is not None]
-        if live:
+        if any(b is not self for b in list(VLLMBackend._live)):
             raise RuntimeError("another vLLM backend is running in this process; vLLM runs one sleep-mode engine per "
                                "process: shut the other vllm backend down first")
-        _drop_engine_globals()
-        _release_device_memory()
-        held = _cumem_bytes_in_use()
+        held = _collect_remainder()
         if held == 0:
             yield
             return
@@ -348,9 +351,7 @@ class VLLMBackend(EngineBackend):
                 f"process ({_cumem_leftovers()}); vLLM runs one sleep-mode engine per process: drop the references "
                 f"to the earlier engine, or start this one in a new process"
             )
-        from vllm.device_allocator.cumem import CuMemAllocator
-
-        allocator = CuMemAllocator.instance
+        allocator = _cumem()
         stale = set(allocator.pointer_to_data)
         log.warning("vLLM backend: %s of an earlier, shut-down vLLM engine is still referenced (%s); starting the "
                     "new engine beside it", f"{held / 2**20:.0f} MiB", _cumem_leftovers())
@@ -437,24 +438,20 @@ class VLLMBackend(EngineBackend):
         rids = [j.rid for j in jobs if j.rid in self._waiters]
         if not rids:
             return
-        partial: dict[str, Any] = {}
+        failed: dict[str, Exception] = {}
         for rid in rids:  # before abort_request drops the state; one bad read must not stop the others
             try:
-                partial[rid] = self._partial_output(rid)
+                self._waiters[rid][1].add(*self._partial_output(rid))
             except Exception as exc:
-                partial[rid] = exc
+                failed[rid] = exc
         self._engine.abort_request(rids)
         for rid in rids:
-            fut, job = self._waiters.pop(rid)
-            try:
-                if isinstance(partial[rid], Exception):
-                    raise partial[rid]
-                job.add(*partial[rid])
-            except Exception as exc:
-                if not fut.done():
-                    fut.set_exception(RuntimeError(f"vLLM: cannot read the partial output of {rid}: {exc}"))
+            fut, _ = self._waiters.pop(rid)
+            if fut.done():
                 continue
-            if not fut.done():
+            if rid in failed:
+                fut.set_exception(RuntimeError(f"vLLM: cannot read the partial output of {rid}: {failed[rid]}"))
+            else:
                 fut.set_result(("abort", None))
 
     def _partial_output(self, rid: str) -> tuple[list[int], list[float]]:
@@ -467,7 +464,7 @@ class VLLMBackend(EngineBackend):
             state = proc.request_states.get(internal)
             if state is None:
                 continue
-            ids = [int(t) for t in state.detokenizer.output_token_ids]
+            ids = list(state.detokenizer.output_token_ids)  # a copy: vLLM appends to its own list
             return ids, token_logprobs(ids, state.logprobs_processor.logprobs)
         return [], []
 
@@ -517,11 +514,7 @@ class VLLMBackend(EngineBackend):
             # The LLMEngine holds the model until it is collected (its finalizer): drop it, then
             # give the sleep-mode pool back so that a later engine in this process can start.
             del engine
-            _release_device_memory()
-            if _cumem_bytes_in_use():  # only then: clear_all_graphs() reaches every vLLM graph in the process
-                _drop_engine_globals()
-                _release_device_memory()
-            held = _cumem_bytes_in_use()
+            held = _collect_remainder()
             if held:
                 log.warning("vLLM backend: %.0f MiB of vLLM's sleep-mode memory is still referenced after shutdown "
                             "(%s; tensors in it: %s)", held / 2**20, _cumem_leftovers(), _stale_holders())
