@@ -134,23 +134,10 @@ def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
     }[engine]
 
 
-# Logprobs against the float32 forward pass. bfloat16: transformers itself in bfloat16 differs from
-# float32 by up to 0.37 per token (0.04-0.07 on average) on these tiny models (6 prompts x 16
-# sampled tokens, measured on a CPU, 2026-12-01); an engine's bf16 kernels get that much room.
-LOGPROB_TOLERANCE = {torch.float32: {"atol": 2e-3}, torch.bfloat16: {"atol": 0.5, "mean_atol": 0.1}}
-
-
 def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.dtype]:
     """``(make_backend, kit options, dtype)`` for the tiny conformance models."""
     from rlcli.testing import backend_conformance as bc
 
-    bf16_options = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
-                    "logprobs_match_forward": LOGPROB_TOLERANCE[torch.bfloat16],
-                    "pause_returns_partial_and_continue": {"exact_continuation": False},
-                    "many_concurrent": {"batch_invariant": False}}
-    fp32_options = {"greedy_matches_reference": {"min_exact_fraction": 0.8},
-                    "logprobs_match_forward": LOGPROB_TOLERANCE[torch.float32],
-                    "many_concurrent": {"batch_invariant": False}}
     if engine == "embedded":
         from rlcli.backends.embedded import EmbeddedBackend
 
@@ -159,17 +146,17 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
         return (lambda d: EmbeddedBackend(cfg, bc.default_context(d, device=device, dtype=dtype))), {}, dtype
     mod = importlib.import_module(PLUGIN_MODULES[engine])
     if engine == "vllm":
-        cls, dtype, options = mod.VLLMBackend, torch.float32, fp32_options
+        cls, dtype = mod.VLLMBackend, torch.float32
         settings = dict(gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512)
     elif engine == "sglang":
         # bf16: SGLang 0.5.17's fused RMSNorm (sgl-kernel) has no float32 path; the plugin refuses float32
-        cls, dtype, options = mod.SGLangBackend, torch.bfloat16, bf16_options
+        cls, dtype = mod.SGLangBackend, torch.bfloat16
         settings = dict(mem_fraction_static=0.25, max_model_len=512)
     else:
-        cls, dtype, options = mod.LMDeployBackend, torch.bfloat16, bf16_options
+        cls, dtype = mod.LMDeployBackend, torch.bfloat16
         settings = dict(cache_max_entry_count=0.25, max_model_len=512, max_batch_size=256)
     cfg = cls.Config(**settings)
-    return (lambda d: cls(cfg, bc.default_context(d, device=device, dtype=dtype))), options, dtype
+    return (lambda d: cls(cfg, bc.default_context(d, device=device, dtype=dtype))), bc.engine_options(dtype), dtype
 
 
 # Kit checks each engine fails by design, with the reason (reported next to the result).
@@ -394,7 +381,7 @@ def exact_range_logprobs(engine: str, make_backend, model_dir, dtype: torch.dtyp
                 "lmdeploy": [dict(temperature=1.0), dict(temperature=1.0, top_k=5, top_p=0.9), dict(temperature=0.0)]}
     settings = settings.get(engine, [dict(temperature=1.0), dict(temperature=0.7, top_k=5, top_p=0.9)])
     bc.check_logprobs_match_forward(make_backend, model_dir, settings=settings, max_tokens=12,
-                                    **LOGPROB_TOLERANCE.get(dtype, LOGPROB_TOLERANCE[torch.float32]))
+                                    **bc.engine_options(dtype)["logprobs_match_forward"])
 
 
 class NotRun(Exception):

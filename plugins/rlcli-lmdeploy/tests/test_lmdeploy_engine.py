@@ -19,9 +19,7 @@ pytestmark = pytest.mark.gpu
 
 TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, intermediate_size=512)
 KIT_SKIP = ["sleep_wake", "logprobs_match_forward"]
-KIT_OPTIONS = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
-               "pause_returns_partial_and_continue": {"exact_continuation": False},
-               "many_concurrent": {"batch_invariant": False}}
+KIT_OPTIONS = bc.engine_options(torch.bfloat16)
 
 
 def make_backend(model_dir, **options):
@@ -42,8 +40,21 @@ def test_conformance_kit(dirs):
 
 
 def test_logprobs_at_temperature_one_and_greedy(dirs):
-    bc.check_logprobs_match_forward(make_backend, dirs[0], temperatures=(1.0, 0.0), atol=0.15)
+    bc.check_logprobs_match_forward(make_backend, dirs[0], temperatures=(1.0, 0.0),
+                                    **KIT_OPTIONS["logprobs_match_forward"])
 
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
     bc.check_sleep_frees_device_memory(lambda d: make_backend(d, cache_max_entry_count=0.3), dirs[0], min_fraction=0.5)
+
+
+def test_the_engines_logits_are_float32(dirs):
+    """``float32_logits``: LMDeploy's real model agent returns float32 logits (its logprobs are
+    computed from them), and bfloat16 ones with the option off."""
+    for upcast, dtype in ((True, torch.float32), (False, torch.bfloat16)):
+        be = make_backend(dirs[0], float32_logits=upcast)
+        try:
+            hidden = torch.randn(2, TINY["hidden_size"], dtype=torch.bfloat16, device="cuda")
+            assert be._lmd.executor.model_agent.get_logits(hidden[None])[0].dtype == dtype
+        finally:
+            be.shutdown()

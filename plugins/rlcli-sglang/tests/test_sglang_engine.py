@@ -25,10 +25,7 @@ DTYPE = getattr(torch, os.environ.get("RLCLI_GPU_TEST_DTYPE", "bfloat16"))
 KIT_SKIP = ["sleep_wake"]
 # 16-bit kernels against the fp32 CPU reference: greedy paths diverge after a near-tie, logprobs
 # differ by bf16 rounding, and a paused-then-continued sequence need not match token for token.
-KIT_OPTIONS = {"greedy_matches_reference": {"min_exact_fraction": 0.0},
-               "logprobs_match_forward": {"atol": 0.15},
-               "pause_returns_partial_and_continue": {"exact_continuation": False},
-               "many_concurrent": {"batch_invariant": False}}
+KIT_OPTIONS = bc.engine_options(DTYPE)
 KIT_SKIP += ["seeded_sampling_batch_invariant"]  # use_request_seeds is off by default (deterministic mode)
 
 
