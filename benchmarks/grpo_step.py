@@ -85,7 +85,8 @@ def peak_in_trace(snapshot: dict, start_us: float | None = None, end_us: float |
     grouped by allocation stack."""
     trace = (snapshot.get("device_traces") or [[]])[0]
 
-    def replay(stop: int | None):
+    def replay(stop: int | None) -> tuple[dict[int, tuple[int, list[dict]]], int]:
+        """The live blocks after event ``stop`` (None: the end), and the index of the peak event."""
         live: dict[int, tuple[int, list[dict]]] = {}
         total = best = 0
         best_i = -1
@@ -102,17 +103,17 @@ def peak_in_trace(snapshot: dict, start_us: float | None = None, end_us: float |
             inside = (start_us is None or t is None or t >= start_us) and (end_us is None or t is None or t <= end_us)
             if inside and total > best:
                 best, best_i = total, i
-        return live, best, best_i
+        return live, best_i
 
-    _, best, best_i = replay(None)
+    _, best_i = replay(None)
     what = "in the window"
     if best_i < 0 and (start_us is not None or end_us is not None):  # clock mismatch: the whole trace
         start_us = end_us = None
-        _, best, best_i = replay(None)
+        _, best_i = replay(None)
         what = "in the whole trace (no event time fell in the window)"
     if best_i < 0:
         return "peak: no allocation recorded"
-    live, _, _ = replay(best_i)
+    live, _ = replay(best_i)
     return _grouped(f"peak {what} (trace event {best_i} of {len(trace)})", list(live.values()), top)
 
 

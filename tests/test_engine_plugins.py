@@ -394,46 +394,6 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
 
 
-def test_memory_summary_groups_live_blocks_by_allocation_stack(bench):
-    import grpo_step as gs
-
-    def frame(f, line, name):
-        return {"filename": f, "line": line, "name": name}
-
-    snap = {"segments": [{"blocks": [
-        {"size": 3 * 2**30, "state": "active_allocated", "frames": [frame("/x/site-packages/torch/cuda/memory.py", 1, "f"),
-                                                                  frame("/r/rlcli/train/worker.py", 10, "train_step")]},
-        {"size": 2**30, "state": "active_allocated", "frames": [frame("/r/rlcli/train/worker.py", 10, "train_step")]},
-        {"size": 5 * 2**30, "state": "inactive", "frames": []},
-        {"size": 2**29, "state": "active_allocated", "frames": []},
-    ]}]}
-    text = gs.summarize_snapshot(snap)
-    lines = text.splitlines()
-    assert lines[0] == "live: 4.50 GiB in 3 blocks"  # the inactive (cached, free) block is not live
-    assert lines[1].split() == ["4.000", "GiB", "2", "blocks", "worker.py:10", "train_step"]  # torch frames skipped
-    assert "(no stack recorded)" in lines[2]
-
-
-def test_memory_peak_is_replayed_from_the_allocation_trace(bench):
-    import grpo_step as gs
-
-    def ev(action, addr, size, t, name="f"):
-        return {"action": action, "addr": addr, "size": size, "time_us": t,
-                "frames": [{"filename": "/r/rlcli/train/worker.py", "line": 1, "name": name}]}
-
-    g = 2**30
-    trace = [ev("alloc", 1, 2 * g, 0, "weights"),  # before the window, still live at its peak
-             ev("alloc", 2, 8 * g, 1, "old"), ev("free_requested", 2, 8 * g, 2),  # a higher peak, outside
-             ev("alloc", 3, 3 * g, 10, "activations"), ev("alloc", 4, 1 * g, 11, "logits"),
-             ev("free_requested", 4, g, 12), ev("free_completed", 4, g, 12), ev("free_requested", 3, 3 * g, 13)]
-    text = gs.peak_in_trace({"device_traces": [trace]}, start_us=10, end_us=20)
-    lines = text.splitlines()
-    assert lines[0] == "peak in the window (trace event 4 of 8): 6.00 GiB in 3 blocks"
-    assert [line.split()[-1] for line in lines[1:]] == ["activations", "weights", "logits"]
-    # event times on another clock than the window: the whole trace's peak, said so
-    assert "whole trace" in gs.peak_in_trace({"device_traces": [trace]}, start_us=1e15, end_us=2e15).splitlines()[0]
-
-
 def test_shared_runtime_passes_the_kit_with_reused_backends(kit_dirs):
     """The engine runtime serves consecutive checks from one backend (each check runs on a new
     event loop), as benchmarks/backends.py runs the kit against engines with a slow start-up."""
