@@ -45,9 +45,9 @@ starting new work when the device call's 600 s limit comes close; what did not r
 On the project's offline H200 (no network; read ../shared/tools/README.md first). Here, build the
 carry folders of the engine plus what the device lacks for rlcli itself (pydantic):
 
-    ../shared/tools/wheelhouse --exclude pynvvideocodec vllm==0.26.0 pydantic      # 18 chunks for vLLM
+    ../shared/tools/wheelhouse --exclude pynvvideocodec vllm==0.26.0 pydantic      # 17 chunks for vLLM
     ../shared/tools/wheelhouse --exclude pynvvideocodec sglang==0.5.17 pydantic    # 21 chunks
-    ../shared/tools/wheelhouse --exclude pynvvideocodec lmdeploy==0.18.0 pydantic  # 27 chunks
+    ../shared/tools/wheelhouse --exclude pynvvideocodec --split-mb 54.5 lmdeploy==0.18.0 pydantic  # 25 chunks
 
 then, on the device, one call per chunk back to back (the machine and its /tmp are given back
 ~30 s after a call): ``carry [".carry/wh-NN"]``, command ``mkdir -p /tmp/wh && cp .carry/wh-NN/*
@@ -397,6 +397,9 @@ def sleep_releases_memory(make_backend, model_dir) -> str:
     return bc.check_sleep_frees_device_memory(make_backend, model_dir, min_fraction=0.0)
 
 
+CHECKS: list[str] = []  # --checks: the conformance checks to run; empty: all
+
+
 def section_conformance(engine: str, root: Path) -> None:
     from rlcli.testing import backend_conformance as bc
 
@@ -410,6 +413,8 @@ def section_conformance(engine: str, root: Path) -> None:
     # start-ups for the whole kit instead of one per check.
     with bc.reusing_backends() as shared:
         for name, check in bc.ALL_CHECKS.items():
+            if CHECKS and name not in CHECKS:
+                continue
             if time_left() < 30:
                 result(what="check", engine=engine, check=name, status="not run",
                        detail="time budget of the device call")
@@ -427,7 +432,7 @@ def section_conformance(engine: str, root: Path) -> None:
     extras = [("logprobs_in_exact_range", lambda: exact_range_logprobs(engine, make_backend, a, dtype))]
     extras.append(("sleep_releases_device_memory", lambda: sleep_releases_memory(make_backend, a)))
     for name, fn in extras:
-        if engine == "embedded" and name == "logprobs_in_exact_range":
+        if engine == "embedded" and name == "logprobs_in_exact_range" or CHECKS and name not in CHECKS:
             continue
         if time_left() < 30:
             result(what="check", engine=engine, check=name, status="not run", detail="time budget of the device call")
@@ -495,9 +500,16 @@ def main() -> None:
     ap.add_argument("--sections", default="run,conformance", help="comma-separated: run, conformance")
     ap.add_argument("--out", type=Path, help="write results-<engine>.json and backends-<engine>.md here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
+    ap.add_argument("--checks", default="", help="comma-separated conformance checks to run (default: all)")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new work after this many seconds")
     args = ap.parse_args()
     DEADLINE_S = args.deadline_s
+    CHECKS[:] = [c.strip() for c in args.checks.split(",") if c.strip()]
+    from rlcli.testing import backend_conformance as bc
+
+    known = [*bc.ALL_CHECKS, "logprobs_in_exact_range", "sleep_releases_device_memory"]
+    if set(CHECKS) - set(known):
+        ap.error(f"--checks: unknown {sorted(set(CHECKS) - set(known))}; known: {', '.join(known)}")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = set(sections) - {"run", "conformance"}
     if unknown:

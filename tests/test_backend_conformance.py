@@ -79,6 +79,33 @@ def test_logprob_check_bounds_the_mean_difference_too(tmp_path):
         bc.check_logprobs_match_forward(make_biased, a, settings=settings, atol=0.1, mean_atol=0.01, max_tokens=6)
 
 
+def test_greedy_check_allows_a_near_tie_only_within_argmax_atol(tmp_path):
+    """A greedy token that is not the float32 argmax fails, naming the gap, unless within ``argmax_atol``
+    (bf16 engines: two near-tied logits can swap order)."""
+    a, _ = bc.make_tiny_model_dirs(tmp_path, arch="qwen2", seed=16)
+
+    class RunnerUp(EmbeddedBackend):
+        """Greedy requests answer the runner-up token first, with exact logprobs."""
+
+        async def generate(self, request):
+            out = await super().generate(request)
+            if request.params.temperature == 0.0:
+                first = bc.reference_logprobs(a, request.prompt_ids, out.token_ids[:1], 1.0)[0]
+                out.token_ids = [int(first.topk(2).indices[1])] + list(out.token_ids[1:])
+                ref = bc.reference_logprobs(a, request.prompt_ids, out.token_ids, 1.0)
+                out.logprobs = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1).tolist()
+            return out
+
+    def make(model_dir):
+        return RunnerUp(EmbeddedBackend.Config(max_batch_size=16), bc.default_context(model_dir))
+
+    settings = [dict(temperature=0.0)]
+    with pytest.raises(AssertionError, match=r"greedy token \d+ at position \d+ is not the argmax: its reference "
+                                             r"logprob is [\d.]+ below the largest \(argmax_atol 1e-05\)"):
+        bc.check_logprobs_match_forward(make, a, settings=settings, max_tokens=4)
+    bc.check_logprobs_match_forward(make, a, settings=settings, max_tokens=4, argmax_atol=100.0)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_sleep_wake_releases_cuda_memory(tmp_path):

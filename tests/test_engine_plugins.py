@@ -442,3 +442,12 @@ def test_engine_plugin_gpu_tests_skip_with_the_exact_reason(tmp_path):
     skip_gpu_tests_without_engine(missing, [ours_gpu, ours_cpu, other_gpu], tmp_path / "tests")
     assert [m.kwargs["reason"] for m in ours_gpu.markers] == [reason]
     assert not ours_cpu.markers and not other_gpu.markers
+
+
+def test_benchmark_conformance_runs_only_the_checks_named(bench, tmp_path, monkeypatch):
+    """``--checks``: a later device call reruns the checks an earlier one had no time for."""
+    monkeypatch.setattr(bench, "RESULTS", [])
+    monkeypatch.setattr(bench, "CHECKS", ["min_tokens", "sleep_releases_device_memory"])
+    bench.section_conformance("embedded", tmp_path)
+    checks = {r["check"]: r["status"] for r in bench.RESULTS if r["what"] == "check"}
+    assert checks == {"min_tokens": "pass", "sleep_releases_device_memory": "not run"}  # no CUDA here

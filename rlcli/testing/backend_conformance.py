@@ -350,12 +350,15 @@ def check_logprobs_match_forward(
     max_tokens: int = 16,
     settings: Sequence[dict[str, Any]] | None = None,
     mean_atol: float | None = None,
+    argmax_atol: float = 1e-5,
 ) -> None:
     """Returned logprobs equal ``log_softmax(logits / T)`` of a transformers forward pass.
 
     ``atol`` bounds the largest per-token difference of a response, ``mean_atol`` (optional) its
-    mean. The reference is a float32 forward pass, so an engine computing in bfloat16 needs both
-    loosened by its own rounding (:func:`engine_options`).
+    mean. A greedy (temperature 0) token must be the reference's argmax, or within
+    ``argmax_atol`` of the reference's largest logprob (two near-tied logits can swap order
+    under another rounding). The reference is a float32 forward pass, so an engine computing in
+    bfloat16 needs all three loosened by its own rounding (:func:`engine_options`).
 
     Also with top-k/top-p active: the logprob is *not* renormalised over the kept set, and
     every sampled token lies in the top-k set. ``settings`` (sampling parameters such as
@@ -395,7 +398,7 @@ def check_logprobs_match_forward(
             err, mean = diff.max().item(), diff.mean().item()
             i = int(diff.argmax())
             detail = (f"largest at position {i} of {len(diff)} (token {out.token_ids[i]}: engine {got[i].item():.4g}, "
-                      f"forward {want[i].item():.4g}); mean difference {mean:.3g}")
+                      f"forward {want[i].item():.4g}); mean difference {mean:.3g}; response {list(out.token_ids)}")
             assert err <= atol, f"{what}: logprobs differ from the forward pass by {err:.3g} (atol {atol}); {detail}"
             assert mean_atol is None or mean <= mean_atol, (
                 f"{what}: logprobs differ from the forward pass by {mean:.3g} on average (mean_atol {mean_atol}); {detail}"
@@ -405,7 +408,12 @@ def check_logprobs_match_forward(
                 kth = ref.topk(k, dim=-1).values[:, -1]
                 assert bool((want >= kth - 1e-5).all()), f"{what}: a sampled token is outside the top-{k} set"
             if kw["temperature"] == 0.0:
-                assert bool((want >= ref.max(dim=-1).values - 1e-5).all()), f"{what}: greedy token is not the argmax"
+                gap = ref.max(dim=-1).values - want
+                j = int(gap.argmax())
+                assert gap[j].item() <= argmax_atol, (
+                    f"{what}: greedy token {out.token_ids[j]} at position {j} is not the argmax: its reference "
+                    f"logprob is {gap[j].item():.3g} below the largest (argmax_atol {argmax_atol})"
+                )
 
     _run(main)
 
@@ -955,7 +963,8 @@ def engine_options(dtype: torch.dtype) -> dict[str, dict[str, Any]]:
       bfloat16 differs from float32 by up to 1.11 at a token and 0.13 on a response's average on
       these models (80 sampled responses of 16 tokens on four models, CPU;
       ``tests/test_backend_conformance.py`` checks a subset), so logprobs within 1.5 per token and
-      0.2 on average; a continuation after a pause need not repeat the uninterrupted one.
+      0.2 on average, and a greedy token may be one whose float32 logprob is up to 1.5 below the
+      argmax; a continuation after a pause need not repeat the uninterrupted one.
     * Either: a response may depend on what else is in the batch.
     """
     if dtype == torch.float32:
@@ -963,7 +972,7 @@ def engine_options(dtype: torch.dtype) -> dict[str, dict[str, Any]]:
                 "logprobs_match_forward": {"atol": 2e-3},
                 "many_concurrent": {"batch_invariant": False}}
     return {"greedy_matches_reference": {"min_exact_fraction": 0.0},
-            "logprobs_match_forward": {"atol": 1.5, "mean_atol": 0.2},
+            "logprobs_match_forward": {"atol": 1.5, "mean_atol": 0.2, "argmax_atol": 1.5},
             "pause_returns_partial_and_continue": {"exact_continuation": False},
             "many_concurrent": {"batch_invariant": False}}
 
