@@ -61,10 +61,14 @@ def init_distributed(device: torch.device | str = "cpu") -> tuple[int, int]:
 
 
 def destroy() -> None:
-    """Tear down the default group if :func:`init_distributed` created it (no-op otherwise)."""
+    """Tear down the default group if :func:`init_distributed` created it (no-op otherwise).
+
+    For an orderly end only: every rank calls it, and it waits for all of them first, so that no
+    rank closes its connections while a peer may still have work in flight on them."""
     global _OWNED, _MESH
     _MESH = None
     if _OWNED and dist.is_initialized():
+        barrier()
         dist.destroy_process_group()
     _OWNED = False
 
