@@ -8,6 +8,7 @@ import gc
 import importlib
 import logging
 import os
+import sys
 import warnings
 import weakref
 from types import SimpleNamespace
@@ -124,11 +125,48 @@ def _stale_holders(limit: int = 5) -> str:
     return "; ".join(found) or "no live tensor found"
 
 
+# Libraries that create module-level CUDA-capable tensors when first imported, with torch's default
+# device. vLLM first imports them while it builds the model, inside its loader's
+# ``torch.device("cuda")`` context and its sleep-mode "weights" pool, so the tensor lands in that
+# pool and keeps a 2 MiB allocation referenced for the life of the process: flashinfer's FP4 table
+# (16 float32 values; flashinfer-python 0.6.14, which vLLM 0.26.0 installs, imports it from its
+# ``__init__``; vLLM imports flashinfer's attention backend module while choosing a backend, even
+# when another backend is chosen). Found from the sources; matches the (16,) float32 tensor that the
+# shutdown warning listed on the H200.
+_PREIMPORT = ("flashinfer",)
+_IMPORT_TIME_TABLES = (("flashinfer.quantization.fp4_quantization", "_E2M1_VALUES"),)
+
+
+def _preimport_kernel_libraries() -> None:
+    """Import :data:`_PREIMPORT` before vLLM builds its model, so their module-level tensors are
+    created on the CPU, outside the sleep-mode pool (best effort: a library that is missing or fails
+    to import is vLLM's business)."""
+    for name in _PREIMPORT:
+        try:
+            importlib.import_module(name)
+        except Exception:
+            log.debug("vLLM backend: pre-import of %s failed", name, exc_info=True)
+
+
+def _move_import_time_tables_to_cpu() -> None:
+    """Move :data:`_IMPORT_TIME_TABLES` that ended up on the GPU (imported under vLLM's loader by an
+    engine built before the pre-import, or by another vLLM user in the process) to the CPU, releasing
+    their sleep-mode allocation. flashinfer only reads its FP4 table in a CPU fallback, after a
+    ``.to(device)``."""
+    for module, attr in _IMPORT_TIME_TABLES:
+        mod = sys.modules.get(module)
+        table = getattr(mod, attr, None) if mod is not None else None
+        if table is not None and getattr(table, "is_cuda", False):
+            setattr(mod, attr, table.cpu())
+
+
 def _drop_engine_globals() -> None:
     """Release what vLLM keeps process-wide after an engine is gone, so that sleep-mode memory can
-    return to the allocator: captured CUDA graphs (their wrappers are registered class-wide), the
+    return to the allocator: kernel libraries' import-time tables that landed on the GPU
+    (:data:`_IMPORT_TIME_TABLES`), captured CUDA graphs (their wrappers are registered class-wide), the
     platform's global CUDA-graph pool, and the allocator's kept-alive memory pools. Each step is
     best effort (names as in vLLM 0.26.0)."""
+    _move_import_time_tables_to_cpu()
     for module, cls in (("vllm.compilation.cuda_graph", "CUDAGraphWrapper"),
                         ("vllm.compilation.breakable_cudagraph", "BreakableCUDAGraphWrapper")):
         try:
@@ -316,6 +354,7 @@ class VLLMBackend(EngineBackend):
             for key, value in engine_environment(self.ctx.dtype, os.environ).items():
                 os.environ[key] = value
                 log.info("vLLM backend: %s=%s", key, value)
+        _preimport_kernel_libraries()
         try:
             with self._allocator_guard():
                 self._engine, self.max_model_len = self._build_engine(self._api)
@@ -328,12 +367,14 @@ class VLLMBackend(EngineBackend):
     def _allocator_guard(self):
         """vLLM asserts that its sleep-mode allocator is empty when an engine loads its weights (one
         engine per process). Collect what an earlier engine left; refuse to start next to a live vLLM
-        backend or over a large remainder. A small remainder of an engine that was shut down (vLLM
-        0.26 keeps one 2 MiB "weights" allocation referenced after ``shutdown``, measured on the
-        H200) is left out of that assertion while this engine loads: it stays in the allocator's
-        books and sleeps and wakes with this engine. Its holder is some object vLLM keeps alive, so
-        it is not expected to be freed while this engine sleeps; if it were, vLLM 0.26 would unmap
-        the sleeping memory a second time (the hazard ``_engine_shutdown`` avoids by waking first).
+        backend or over a large remainder. A small remainder of an engine that was shut down (with
+        vLLM 0.26 every engine left one 2 MiB "weights" allocation referenced after ``shutdown``,
+        measured on the H200: flashinfer's FP4 table, which :func:`_preimport_kernel_libraries` now
+        keeps out of the pool) is left out of that assertion while this engine loads: it stays in the
+        allocator's books and sleeps and wakes with this engine. Its holder is some object kept
+        alive process-wide, so it is not expected to be freed while this engine sleeps; if it were,
+        vLLM 0.26 would unmap the sleeping memory a second time (the hazard ``_engine_shutdown``
+        avoids by waking first).
         Each engine adds its remainder: about 32 engines per process fit under the limit."""
         if _cumem_bytes_in_use() == 0:
             yield

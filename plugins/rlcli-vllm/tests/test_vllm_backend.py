@@ -312,3 +312,41 @@ def test_a_new_engine_refuses_a_large_remainder_or_a_live_engine(fake_cumem, tin
             FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))
     finally:
         first.shutdown()
+
+
+class _TableOnGpu:
+    """A module-level table that vLLM's loader put on the GPU (is_cuda, and .cpu() gives it back)."""
+
+    is_cuda = True
+
+    def cpu(self):
+        return torch.zeros(16)
+
+
+def test_kernel_library_tables_leave_the_sleep_mode_pool(monkeypatch, tiny_qwen2):
+    """flashinfer's FP4 table: imported before the engine is built (so it is made on the CPU), and moved
+    to the CPU when an earlier engine had put it on the GPU."""
+    import sys
+    import types
+
+    from rlcli_vllm import backend as backend_mod
+
+    fp4 = types.ModuleType("fp4_tables")
+    fp4._E2M1_VALUES = _TableOnGpu()
+    monkeypatch.setitem(sys.modules, "fp4_tables", fp4)
+    monkeypatch.setattr(backend_mod, "_IMPORT_TIME_TABLES", (("fp4_tables", "_E2M1_VALUES"), ("not_imported", "X")))
+    backend_mod._drop_engine_globals()  # vLLM is not installed here: the other steps are skipped
+    assert isinstance(fp4._E2M1_VALUES, torch.Tensor) and not fp4._E2M1_VALUES.is_cuda
+    kept = fp4._E2M1_VALUES
+    backend_mod._move_import_time_tables_to_cpu()
+    assert fp4._E2M1_VALUES is kept  # a CPU table stays as it is
+
+    imported = []
+    monkeypatch.setattr(backend_mod, "_PREIMPORT", ("json", "no_such_kernel_library_xyz"))
+    monkeypatch.setattr(backend_mod.importlib, "import_module",
+                        lambda name, _real=backend_mod.importlib.import_module: imported.append(name) or _real(name))
+    be = FakeVLLMBackend(FakeVLLMBackend.Config(), context(tiny_qwen2))  # a missing library is no error
+    try:
+        assert imported[:2] == ["json", "no_such_kernel_library_xyz"]  # before the engine is built
+    finally:
+        be.shutdown()
