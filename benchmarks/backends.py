@@ -295,6 +295,40 @@ def throughput(engine: str, backend, prompts: list[list[int]]) -> dict[str, list
     return {k: v[1:] for k, v in rates.items()}
 
 
+HOST_PROFILE: Path | None = None  # --host-profile: write the engine thread's profiles here
+
+
+def host_profile(engine: str, backend, prompts: list[list[int]], top: int = 30) -> dict[str, str]:
+    """One plain round through rlcli and one bare round, each under ``cProfile`` enabled on the
+    engine thread (where the engine, its event loop and the plugin's stream handling run; Python
+    3.12's profiler also sees the other threads), with the functions that took the most time of
+    their own. Says where the host time of the rlcli path goes that the bare path does not spend."""
+    import cProfile
+    import io
+    import pstats
+
+    loop = getattr(backend, "_loop", None)
+    if loop is None:
+        raise NotRun("not an engine plugin: no engine thread to profile")
+    paths = {"plain": lambda: through_rlcli(backend, prompts, seeded=False), "bare": lambda: bare(engine, backend, prompts)}
+    texts = {}
+    for name, run in paths.items():
+        prof = cProfile.Profile()
+
+        async def switch(on: bool) -> None:
+            prof.enable() if on else prof.disable()
+
+        loop.call(switch(True))
+        try:
+            rate = run()
+        finally:
+            loop.call(switch(False))
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+        texts[name] = f"# {engine}, {name} path: {rate:,.0f} tok/s under the profiler\n{buf.getvalue()}"
+    return texts
+
+
 # ------------------------------------------------------------------------------------------
 # Section "run": throughput, then 3 GRPO steps through ColocateRunner
 # ------------------------------------------------------------------------------------------
@@ -340,6 +374,18 @@ def section_run(engine: str, root: Path) -> None:
                    rounds={k: [round(r) for r in v] for k, v in rates.items()})
         except Exception:
             result(what="throughput", engine=engine, error=traceback.format_exc()[-2000:])
+        if HOST_PROFILE is not None:
+            try:
+                texts = host_profile(engine, runner.backend, prompts)
+                HOST_PROFILE.mkdir(parents=True, exist_ok=True)
+                for name, text in texts.items():
+                    (HOST_PROFILE / f"host-profile-{engine}-{name}.txt").write_text(text)
+                result(what="host_profile", engine=engine,
+                       rates={k: v.splitlines()[0] for k, v in texts.items()}, dir=str(HOST_PROFILE))
+            except NotRun as exc:
+                result(what="host_profile", engine=engine, error=f"not run: {exc}")
+            except Exception:
+                result(what="host_profile", engine=engine, error=traceback.format_exc()[-2000:])
         if hasattr(runner.backend, "_use_seeds"):
             runner.backend._use_seeds = bool(getattr(runner.backend.config, "use_request_seeds", True))
         runner.backend.stats()  # reset the counters: the GRPO rows count their own tokens
@@ -494,17 +540,21 @@ def markdown(engine: str, env: dict) -> str:
 
 
 def main() -> None:
-    global DEADLINE_S
+    global DEADLINE_S, HOST_PROFILE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=ENGINES, required=True)
     ap.add_argument("--sections", default="run,conformance", help="comma-separated: run, conformance")
     ap.add_argument("--out", type=Path, help="write results-<engine>.json and backends-<engine>.md here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="after the throughput rounds, profile one plain and one bare round on the engine thread "
+                         "(host-profile-<engine>-{plain,bare}.txt in --out)")
     ap.add_argument("--checks", default="", help="comma-separated conformance checks to run (default: all)")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new work after this many seconds")
     args = ap.parse_args()
     DEADLINE_S = args.deadline_s
     CHECKS[:] = [c.strip() for c in args.checks.split(",") if c.strip()]
+    HOST_PROFILE = (args.out or Path(".")) if args.host_profile else None
     from rlcli.testing import backend_conformance as bc
 
     known = [*bc.ALL_CHECKS, "logprobs_in_exact_range", "sleep_releases_device_memory"]

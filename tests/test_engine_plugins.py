@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -451,3 +452,24 @@ def test_benchmark_conformance_runs_only_the_checks_named(bench, tmp_path, monke
     bench.section_conformance("embedded", tmp_path)
     checks = {r["check"]: r["status"] for r in bench.RESULTS if r["what"] == "check"}
     assert checks == {"min_tokens": "pass", "sleep_releases_device_memory": "not run"}  # no CUDA here
+
+
+def test_benchmark_host_profile_over_a_fake_engine(bench, tmp_path, monkeypatch):
+    """``--host-profile``: one plain and one bare round, profiled on the engine thread."""
+    if not _installed("lmdeploy"):
+        pytest.skip("rlcli-lmdeploy is not installed")
+    from rlcli.models import tiny_model_dir
+
+    monkeypatch.syspath_prepend(str(REPO / "plugins" / "rlcli-lmdeploy" / "tests"))
+    fake = importlib.import_module("fake_lmdeploy")
+    be = fake.FakeLMDeployBackend(fake.FakeLMDeployBackend.Config(), fake.context(tiny_model_dir(tmp_path / "m", arch="qwen2")))
+    try:
+        texts = bench.host_profile("lmdeploy", be, bench.workload(), top=40)
+    finally:
+        be.shutdown()
+    assert sorted(texts) == ["bare", "plain"]
+    assert re.match(r"# lmdeploy, plain path: [\d,]+ tok/s under the profiler", texts["plain"])
+    assert "_engine_generate" in texts["plain"]  # the plugin's own stream handling, seen on the engine thread
+    assert "_engine_generate" not in texts["bare"]
+    with pytest.raises(bench.NotRun, match="not an engine plugin"):
+        bench.host_profile("embedded", object(), [])
