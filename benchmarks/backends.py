@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import importlib
 import json
@@ -455,42 +456,38 @@ def section_conformance(engine: str, root: Path) -> None:
     a, b = bc.make_tiny_model_dirs(root / "kit", arch="qwen2", **spec)
     make_backend, options, dtype = conformance_setup(engine, device)
     by_design = BY_DESIGN.get(engine, {})
-    # Consecutive checks share one engine (a failing check's engine is replaced): about 4 engine
-    # start-ups for the whole kit instead of one per check.
-    with bc.reusing_backends() as shared:
-        for name, check in bc.ALL_CHECKS.items():
-            if CHECKS and name not in CHECKS:
-                continue
-            if time_left() < 30:
-                result(what="check", engine=engine, check=name, status="not run",
-                       detail="time budget of the device call")
-                continue
-            t = time.perf_counter()
-            try:
-                args = (make_backend, a, b) if name == "weight_update" else (make_backend, a)
-                check(*args, **options.get(name, {}))
-                status, detail = "pass", ""
-            except Exception as exc:  # AssertionError or an engine failure: recorded, the rest runs
-                status, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-            result(what="check", engine=engine, check=name, status=status, detail=detail,
-                   by_design=by_design.get(name, ""), seconds=round(time.perf_counter() - t, 1), dtype=str(dtype))
-    result(what="conformance_engines_built", engine=engine, count=shared.built)
-    extras = [("logprobs_in_exact_range", lambda: exact_range_logprobs(engine, make_backend, a, dtype))]
-    extras.append(("sleep_releases_device_memory", lambda: sleep_releases_memory(make_backend, a)))
-    for name, fn in extras:
-        if engine == "embedded" and name == "logprobs_in_exact_range" or CHECKS and name not in CHECKS:
-            continue
+
+    def run_check(name: str, fn: Callable[[], str | None]) -> None:
+        if CHECKS and name not in CHECKS:
+            return
         if time_left() < 30:
             result(what="check", engine=engine, check=name, status="not run", detail="time budget of the device call")
-            continue
+            return
+        t = time.perf_counter()
         try:
-            note = fn()
-            result(what="check", engine=engine, check=name, status="pass", detail=note or "")
+            status, detail = "pass", fn() or ""
         except NotRun as exc:
-            result(what="check", engine=engine, check=name, status="not run", detail=str(exc))
-        except Exception as exc:
-            result(what="check", engine=engine, check=name, status="FAIL",
-                   detail=f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            status, detail = "not run", str(exc)
+        except Exception as exc:  # AssertionError or an engine failure: recorded, the rest runs
+            status, detail = "FAIL", f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        result(what="check", engine=engine, check=name, status=status, detail=detail,
+               by_design=by_design.get(name, ""), seconds=round(time.perf_counter() - t, 1), dtype=str(dtype))
+
+    # The kit's checks, and the plugin check of logprobs in their exact range just before sleep_wake
+    # (which builds an engine of its own). Consecutive checks share one engine (a failing check's
+    # engine is replaced): about 4 engine start-ups for the whole kit instead of one per check. The
+    # free-memory check comes last, outside the sharing: it needs the only engine in the process.
+    plan: list[tuple[str, Callable[[], str | None]]] = []
+    for name, check in bc.ALL_CHECKS.items():
+        if name == "sleep_wake" and engine != "embedded":
+            plan.append(("logprobs_in_exact_range", lambda: exact_range_logprobs(engine, make_backend, a, dtype)))
+        args = (make_backend, a, b) if name == "weight_update" else (make_backend, a)
+        plan.append((name, functools.partial(check, *args, **options.get(name, {}))))
+    with bc.reusing_backends() as shared:
+        for name, fn in plan:
+            run_check(name, fn)
+    result(what="conformance_engines_built", engine=engine, count=shared.built)
+    run_check("sleep_releases_device_memory", lambda: sleep_releases_memory(make_backend, a))
 
 
 # ------------------------------------------------------------------------------------------
