@@ -282,22 +282,14 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None
 
 
-class BenchPlugin:
-    """Registers the benchmark judger: reward = response length mod 7 (as the TRL baseline)."""
+def BenchPlugin():
+    """The benchmark judger's plugin module (``bench_plugin.py``), for ``registry_with``."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import bench_plugin
 
-    def __init__(self):
-        from rlcli import hookimpl
-        from rlcli.judgers.base import Judger
-
-        class LengthMod7(Judger):
-            """Benchmark reward: response length mod 7 (as the TRL baseline)."""
-
-            name = "bench_len_mod7"
-
-            def judge(self, response, label, sample):
-                return float(len(response) % 7)
-
-        self.register_judgers = hookimpl(lambda: [LengthMod7])
+    return bench_plugin
 
 
 def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float,

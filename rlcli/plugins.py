@@ -8,6 +8,9 @@ the very same hooks. A broken plugin (import error) is recorded and reported, ne
 Environment switches:
   RLCLI_DISABLE_PLUGIN_AUTOLOAD=1  load no entry-point plugins (built-ins only)
   RLCLI_LOAD_PLUGINS=a,b            load only these entry-point names
+  RLCLI_PLUGINS=mod[:attr],...      also register these importable modules (or their attribute) as
+                                    plugins, without packaging them; every rank of a multi-process
+                                    run inherits it (loaded even with autoload disabled)
 """
 
 from __future__ import annotations
@@ -126,11 +129,36 @@ def _load_entry_points(pm: pluggy.PluginManager, registry: Registry) -> None:
         registry.dists[id(plugin)] = (dist_name, ep.dist.version if ep.dist else "?")
 
 
+ENV_PLUGINS = "RLCLI_PLUGINS"
+
+
+def _load_env_plugins(pm: pluggy.PluginManager, registry: Registry) -> None:
+    """Register the plugins named in ``RLCLI_PLUGINS`` (``module`` or ``module:attribute``). One
+    that fails to import is recorded as broken, as an entry point would be."""
+    for spec in (x.strip() for x in os.environ.get(ENV_PLUGINS, "").split(",")):
+        if not spec:
+            continue
+        modname, _, attr = spec.partition(":")
+        label = f"{ENV_PLUGINS}={spec}"
+        try:
+            plugin = importlib.import_module(modname)
+            for part in filter(None, attr.split(".")):
+                plugin = getattr(plugin, part)
+        except Exception as exc:
+            registry.broken.append((label, spec, f"{type(exc).__name__}: {exc}"))
+            continue
+        if pm.is_registered(plugin):
+            continue
+        pm.register(plugin, name=f"env:{spec}")
+        registry.dists[id(plugin)] = (label, "-")
+
+
 def build_plugin_manager() -> tuple[pluggy.PluginManager, Registry]:
     pm = pluggy.PluginManager("rlcli")
     pm.add_hookspecs(hookspecs)
     registry = Registry(pm=pm)
     _load_entry_points(pm, registry)
+    _load_env_plugins(pm, registry)
     for modname in DEFAULT_PLUGINS:
         pm.register(importlib.import_module(modname), name=modname)
     pm.check_pending()

@@ -112,3 +112,38 @@ def test_registry_with_skips_a_plugin_its_distribution_already_registered():
     mod = pytest.importorskip("rlcli_math_verify")
     reg = registry_with(mod)
     assert "math_verify" in reg.names("judger")
+
+
+def test_rlcli_plugins_env_registers_unpackaged_modules(tmp_path, monkeypatch):
+    """``RLCLI_PLUGINS=module[:attr],...``: plugins without packaging (every rank inherits the env)."""
+    (tmp_path / "envplug.py").write_text(
+        "from rlcli import hookimpl\n"
+        "from rlcli.judgers.base import Judger\n"
+        "class Half(Judger):\n"
+        "    '''Scores 0.5.'''\n"
+        "    name = 'env_half'\n"
+        "    def judge(self, response, label, sample):\n"
+        "        return 0.5\n"
+        "@hookimpl\n"
+        "def register_judgers():\n"
+        "    return [Half]\n"
+        "class _Obj:\n"
+        "    class Inner(Judger):\n"
+        "        '''Scores 1.'''\n"
+        "        name = 'env_one'\n"
+        "    @hookimpl\n"
+        "    def register_judgers(self):\n"
+        "        return [self.Inner]\n"
+        "OBJ = _Obj()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD", "1")  # still loaded: they were asked for by name
+    monkeypatch.setenv("RLCLI_PLUGINS", "envplug, envplug:OBJ,rlcli_no_such_module_xyz")
+    from rlcli import plugins as plugmod
+
+    reg = plugmod.registry_with()
+    assert reg.entry("judger", "env_half").dist == "RLCLI_PLUGINS=envplug"
+    assert reg.entry("judger", "env_one").dist == "RLCLI_PLUGINS=envplug:OBJ"
+    assert [b[0] for b in reg.broken] == ["RLCLI_PLUGINS=rlcli_no_such_module_xyz"]
+    with pytest.raises(PluginError, match="RLCLI_PLUGINS=rlcli_no_such_module_xyz"):
+        reg.get("judger", "nope")
