@@ -63,9 +63,12 @@ def launch(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, An
     env = os.environ.copy()
     if "OMP_NUM_THREADS" not in env:
         os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.nproc_per_node))
+    # Every node of a run must name the same run id (the rendezvous store's key prefix): a random
+    # one per node would leave the nodes waiting for each other forever.
+    run_id = f"rlcli-{uuid.uuid4().hex[:8]}" if spec.nnodes == 1 else f"rlcli-{spec.master_addr}-{spec.master_port}"
     config = LaunchConfig(
         min_nodes=spec.nnodes, max_nodes=spec.nnodes, nproc_per_node=spec.nproc_per_node,
-        run_id=f"rlcli-{uuid.uuid4().hex[:8]}", max_restarts=0, start_method="spawn",
+        run_id=run_id, max_restarts=0, start_method="spawn",
         monitor_interval=0.5, **rdzv,
     )
     try:
