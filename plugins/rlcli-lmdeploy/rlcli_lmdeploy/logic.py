@@ -31,6 +31,12 @@ Matched against the LMDeploy 0.18.0 sources (wheel ``lmdeploy-0.18.0-cp312-cp312
   (``lmdeploy/pytorch/engine/model_agent/agent.py``; called outside the CUDA graphs, for sampling
   and logprobs alike) in the lm-head's dtype: bfloat16 logprobs for a bfloat16 model unless
   upcast (:func:`upcast_logits`).
+* ``lmdeploy/pytorch/nn/embedding.py`` ``ParallelEmbedding.weight_loader`` sets
+  ``weight[padding_idx] = 0`` after loading, and the models pass ``config.pad_token_id`` as
+  ``padding_idx`` (``lmdeploy/pytorch/models/qwen2.py``); the LM head shares that weight when the
+  embeddings are tied. ``PytorchEngineConfig.hf_overrides`` edits the model's config before the
+  model is built (``lmdeploy/pytorch/config.py`` ``override_hf_config``), so ``pad_token_id: None``
+  keeps the row (:func:`engine_config_kwargs`).
 """
 
 from __future__ import annotations
@@ -101,6 +107,11 @@ def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | Non
     if cfg.max_batch_size is not None:
         kw["max_batch_size"] = cfg.max_batch_size
     kw.update(cfg.engine_kwargs)
+    # LMDeploy zeroes the embedding row of the config's pad_token_id whenever it loads weights
+    # (start-up and every update); with tied embeddings that row is also the LM head's, so the
+    # pad token's logit becomes 0 and every logprob shifts against the trainer's. Without a
+    # pad_token_id the rows are served as the checkpoint has them (unless the run sets its own).
+    kw["hf_overrides"] = {"pad_token_id": None, **dict(kw.get("hf_overrides") or {})}
     return kw
 
 

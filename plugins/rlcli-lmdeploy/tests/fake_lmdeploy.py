@@ -119,6 +119,7 @@ class PytorchEngineConfig:
     empty_init: bool = False
     enable_mp_engine: bool = False
     logprobs_mode: str | None = None
+    hf_overrides: dict | None = None
 
     def __post_init__(self):
         assert self.dtype in ("auto", "float16", "bfloat16")

@@ -29,7 +29,17 @@ def test_engine_config_defaults_and_managed_values():
     kw = engine_config_kwargs(cfg(), dtype=torch.bfloat16)
     assert kw == dict(dtype="bfloat16", tp=1, device_type="cuda", logprobs_mode="raw_logprobs",
                       enable_prefix_caching=False, enable_mp_engine=False, distributed_executor_backend="uni",
-                      cache_max_entry_count=0.5, eager_mode=False)
+                      cache_max_entry_count=0.5, eager_mode=False, hf_overrides={"pad_token_id": None})
+
+
+def test_the_pad_token_row_is_served_as_the_checkpoint_has_it():
+    """LMDeploy zeroes the pad token's embedding row (and so, tied, its LM head row) at every weight
+    load; measured on the H200 as a 2.4-nat logprob error, reproduced on CPU by zeroing that row."""
+    kw = engine_config_kwargs(cfg(engine_kwargs={"hf_overrides": {"rope_scaling": {"factor": 2.0}}}),
+                              dtype=torch.bfloat16)
+    assert kw["hf_overrides"] == {"pad_token_id": None, "rope_scaling": {"factor": 2.0}}
+    own = engine_config_kwargs(cfg(engine_kwargs={"hf_overrides": {"pad_token_id": 7}}), dtype=torch.bfloat16)
+    assert own["hf_overrides"] == {"pad_token_id": 7}  # a run that sets its own keeps it
 
 
 def test_engine_config_maps_rlcli_names_and_passes_extras():
