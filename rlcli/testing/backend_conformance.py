@@ -963,8 +963,9 @@ def engine_options(dtype: torch.dtype) -> dict[str, dict[str, Any]]:
       bfloat16 differs from float32 by up to 1.11 at a token and 0.13 on a response's average on
       these models (80 sampled responses of 16 tokens on four models, CPU;
       ``tests/test_backend_conformance.py`` checks a subset), so logprobs within 1.5 per token and
-      0.2 on average, and a greedy token may be one whose float32 logprob is up to 1.5 below the
-      argmax; a continuation after a pause need not repeat the uninterrupted one.
+      0.2 on average; a greedy token may be one whose float32 logprob is up to 3.0 below the
+      argmax (the engine's greedy token is its own argmax, and each of the two logprobs may be off
+      by 1.5); a continuation after a pause need not repeat the uninterrupted one.
     * Either: a response may depend on what else is in the batch.
     """
     if dtype == torch.float32:
@@ -972,7 +973,7 @@ def engine_options(dtype: torch.dtype) -> dict[str, dict[str, Any]]:
                 "logprobs_match_forward": {"atol": 2e-3},
                 "many_concurrent": {"batch_invariant": False}}
     return {"greedy_matches_reference": {"min_exact_fraction": 0.0},
-            "logprobs_match_forward": {"atol": 1.5, "mean_atol": 0.2, "argmax_atol": 1.5},
+            "logprobs_match_forward": {"atol": 1.5, "mean_atol": 0.2, "argmax_atol": 3.0},
             "pause_returns_partial_and_continue": {"exact_continuation": False},
             "many_concurrent": {"batch_invariant": False}}
 
