@@ -175,10 +175,12 @@ def plugins(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"components": rows, "broken": broken}, indent=2))
         return
+    provider = {id(r): f"{r['distribution']} {r['version']}" for r in rows}
+    width = max([16, *(len(p) for p in provider.values())])
     for kind in KINDS:
         click.secho(kind, bold=True)
         for r in (r for r in rows if r["kind"] == kind):
-            click.echo(f"  {r['name']:<22} {r['distribution']} {r['version']:<10} {r['description']}")
+            click.echo(f"  {r['name']:<22} {provider[id(r)]:<{width}} {r['description']}")
     for b in broken:
         click.secho(f"broken plugin {b['distribution']} ({b['entry_point']}): {b['error']}", fg="red")
 
