@@ -263,3 +263,33 @@ def test_a_malformed_logprob_fails_its_request_only(backend):
     backend.fake.drop_logprob_of_step = None
     good = asyncio.run(gen(backend, [4, 5], max_tokens=6, ignore_eos=True))
     assert good.finish_reason == "length" and good.token_ids == expected(backend, [4, 5], 6)
+
+
+class _TrackedList(list):
+    """A list that can be weakly referenced (to see whether the plugin keeps it)."""
+
+
+def test_stream_deltas_are_not_kept_after_they_are_parsed(backend, monkeypatch):
+    """Kept deltas outlive garbage collections and make Python's full collections (which scan every
+    live object of the process) run again and again on LMDeploy's loop: each delta's objects must
+    be free once the next one comes."""
+    import weakref
+
+    import fake_lmdeploy
+
+    alive: list[int] = []
+    real = fake_lmdeploy.FakeInstance.async_stream_infer
+
+    async def tracking(self, *args, **kwargs):
+        refs = []
+        async for out in real(self, *args, **kwargs):
+            alive.append(sum(r() is not None for r in refs))
+            if out.logprobs is not None:
+                out.logprobs = _TrackedList(out.logprobs)
+                refs.append(weakref.ref(out.logprobs))
+            yield out
+
+    monkeypatch.setattr(fake_lmdeploy.FakeInstance, "async_stream_infer", tracking)
+    out = asyncio.run(gen(backend, [4, 5], max_tokens=20, ignore_eos=True))
+    assert out.token_ids == expected(backend, [4, 5], 20)
+    assert len(alive) == 20 and max(alive) <= 1, alive  # at most the delta just handed over
