@@ -92,7 +92,7 @@ import grpo_step as gs  # noqa: E402  (model, tokenizer, prompts and recipe of t
 
 ENGINES = ("embedded", "vllm", "sglang", "lmdeploy")
 PLUGIN_MODULES = {"vllm": "rlcli_vllm", "sglang": "rlcli_sglang", "lmdeploy": "rlcli_lmdeploy"}
-K = 8  # copies of each prompt
+K = gs.K  # copies of each prompt
 GRPO_STEPS = 3
 RESULTS: list[dict] = []
 START = time.monotonic()
@@ -280,15 +280,21 @@ def bare(engine: str, backend, prompts: list[list[int]]) -> float:
 THROUGHPUT_ROUNDS = 3  # timed rounds of each path, after one warm-up round of each
 
 
-def throughput(engine: str, backend, prompts: list[list[int]]) -> dict[str, list[float]]:
-    """Generated tok/s of the three paths - through rlcli without and with per-request seeds, and
-    bare - in interleaved rounds (a warm-up round of each first), so that compilation, cache
-    warm-up or clock drift during the run does not favour one of them."""
-    paths = {
+def throughput_paths(engine: str, backend, prompts: list[list[int]]) -> dict[str, Callable[[], float]]:
+    """One round of each measured path, by name: through rlcli without and with per-request seeds
+    ("plain", "seeded"), and the engine's own offline path ("bare")."""
+    return {
         "plain": lambda: through_rlcli(backend, prompts, seeded=False),
         "seeded": lambda: through_rlcli(backend, prompts, seeded=engine != "embedded"),
         "bare": lambda: bare(engine, backend, prompts),
     }
+
+
+def throughput(engine: str, backend, prompts: list[list[int]]) -> dict[str, list[float]]:
+    """Generated tok/s of the three paths - through rlcli without and with per-request seeds, and
+    bare - in interleaved rounds (a warm-up round of each first), so that compilation, cache
+    warm-up or clock drift during the run does not favour one of them."""
+    paths = throughput_paths(engine, backend, prompts)
     rates: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(1 + THROUGHPUT_ROUNDS):
         for k, f in paths.items():
@@ -311,9 +317,10 @@ def host_profile(engine: str, backend, prompts: list[list[int]], top: int = 30) 
     loop = getattr(backend, "_loop", None)
     if loop is None:
         raise NotRun("not an engine plugin: no engine thread to profile")
-    paths = {"plain": lambda: through_rlcli(backend, prompts, seeded=False), "bare": lambda: bare(engine, backend, prompts)}
+    paths = throughput_paths(engine, backend, prompts)
     texts = {}
-    for name, run in paths.items():
+    for name in ("plain", "bare"):
+        run = paths[name]
         prof = cProfile.Profile()
 
         async def switch(on: bool) -> None:
@@ -338,26 +345,14 @@ def section_run(engine: str, root: Path) -> None:
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
 
-    registry = registry_with(gs.BenchPlugin())
+    registry = registry_with(gs.bench_plugin)
     if engine not in registry.names("inference_backend"):  # the plugin is not pip-installed: register it here
-        registry = registry_with(gs.BenchPlugin(), importlib.import_module(PLUGIN_MODULES[engine]))
+        registry = registry_with(gs.bench_plugin, importlib.import_module(PLUGIN_MODULES[engine]))
     model_dir = gs.make_model_dir((root / "model").resolve()) if not (root / "model" / "config.json").exists() \
         else root / "model"
     data = gs.write_prompts(root / "prompts.jsonl", gs.PROMPTS * (GRPO_STEPS + 2))
-    raw = {
-        "model": {"path": str(model_dir), "dtype": "bfloat16" if gs.DEVICE == "cuda" else "float32"},
-        "trainer": {"total_train_steps": GRPO_STEPS, "train_batch_size": gs.PROMPTS, "enable_evaluate": False,
-                    "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(root / f"work-{engine}"),
-                    "log_every": 1},
-        "resources": {"device": gs.DEVICE},
-        "rollout": run_rollout_config(engine, gs.PROMPTS * K),
-        "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
-                         "max_grad_norm": 1.0},
-        "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": K},
-                   "agent_loop": {"name": "single_turn", "sample_params": {
-                       "max_tokens": gs.NEW, "min_tokens": gs.NEW, "ignore_eos": True, "temperature": 1.0}},
-                   "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
-    }
+    raw = gs.bench_recipe(model_dir, data, root / f"work-{engine}", GRPO_STEPS,
+                          rollout=run_rollout_config(engine, gs.PROMPTS * K))
     rec = validate_recipe(raw, registry=registry)
     t0 = time.perf_counter()
     runner = ColocateRunner(rec, quiet=True, overwrite=True)

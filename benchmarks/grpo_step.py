@@ -37,8 +37,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path[:0] = [str(REPO), str(HERE)]
+
+import bench_plugin  # noqa: E402  (the benchmark judger, a plugin module)
 
 SHAPE = dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864)
 PROMPTS, K, NEW, PROMPT_LEN = 64, 8, 256, 64
@@ -156,9 +159,10 @@ def profiled(name: str):
     return run()
 
 
-def result(**kw) -> None:
+def result(**kw) -> dict:
     RESULTS.append(kw)
     print("RESULT " + json.dumps(kw), flush=True)
+    return kw
 
 
 def make_model_dir(d: Path) -> Path:
@@ -282,14 +286,23 @@ def peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE == "cuda" else None
 
 
-def BenchPlugin():
-    """The benchmark judger's plugin module (``bench_plugin.py``), for ``registry_with``."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import bench_plugin
-
-    return bench_plugin
+def bench_recipe(model_dir: Path, data: Path, work: Path, steps: int, rollout: dict | None = None) -> dict:
+    """The benchmark's recipe tree: colocated GRPO on the prompts of ``data``, ``K`` forced
+    full-length responses each, one optimizer step per batch, the ``bench_len_mod7`` judger; the
+    embedded engine unless ``rollout`` is given."""
+    return {
+        "model": {"path": str(model_dir), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
+        "trainer": {"total_train_steps": steps, "train_batch_size": PROMPTS, "enable_evaluate": False,
+                    "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(work), "log_every": 1},
+        "resources": {"device": DEVICE},
+        "rollout": rollout or {"name": "embedded", "max_batch_size": PROMPTS * K, "max_model_len": 512},
+        "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
+                         "max_grad_norm": 1.0},
+        "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": K},
+                   "agent_loop": {"name": "single_turn", "sample_params": {
+                       "max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}},
+                   "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
+    }
 
 
 def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float,
@@ -299,21 +312,9 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
 
-    raw = {
-        "model": {"path": str(model_dir), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
-        "trainer": {"total_train_steps": steps, "train_batch_size": PROMPTS, "enable_evaluate": False,
-                    "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(work), "log_every": 1},
-        "resources": {"device": DEVICE},
-        "rollout": {"name": "embedded", "max_batch_size": PROMPTS * K, "max_model_len": 512},
-        "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
-                         "max_grad_norm": 1.0},
-        "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": K},
-                   "agent_loop": {"name": "single_turn", "sample_params": {
-                       "max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}},
-                   "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
-    }
+    raw = bench_recipe(model_dir, data, work, steps)
     raw = apply_overrides(raw, list(overrides or []))
-    rec = validate_recipe(raw, registry=registry_with(BenchPlugin(), *ENGINE_PLUGINS))
+    rec = validate_recipe(raw, registry=registry_with(bench_plugin, *ENGINE_PLUGINS))
     if MEMORY_DIR is not None:  # from before the model is built: the trace holds every live block
         torch.cuda.memory._record_memory_history(max_entries=3_000_000)
     runner = ColocateRunner(rec, quiet=True, overwrite=True)

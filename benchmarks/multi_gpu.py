@@ -53,35 +53,18 @@ SHAPES = {
 }
 STEPS = 6  # per run; the first WARMUP are left out of the medians
 WARMUP = 2
-RESULTS: list[dict] = []
+RESULTS = gs.RESULTS  # RESULT lines as grpo_step.py prints them
+result = gs.result
 START = time.monotonic()
 DEADLINE_S = 540.0
 
 
-def result(**kw) -> dict:
-    RESULTS.append(kw)
-    print("RESULT " + json.dumps(kw), flush=True)
-    return kw
-
-
 def recipe(model_dir: Path, data: Path, work: Path, *, mode: str, gpus: int, steps: int) -> dict:
-    """The benchmark recipe: colocated sync, or disaggregated async with half the ranks rolling out."""
-    cuda = gs.DEVICE == "cuda"
-    raw = {
-        "model": {"path": str(model_dir), "dtype": "bfloat16" if cuda else "float32"},
-        "trainer": {"mode": mode, "total_train_steps": steps, "train_batch_size": gs.PROMPTS, "enable_evaluate": False,
-                    "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(work), "log_every": 1,
-                    "sync_weights_interval": 1},
-        "resources": {"device": "cuda" if cuda else "cpu"},
-        "rollout": {"name": "embedded", "max_batch_size": gs.PROMPTS * gs.K, "max_model_len": 512},
-        "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
-                         "max_grad_norm": 1.0},
-        "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": gs.K},
-                   "agent_loop": {"name": "single_turn", "sample_params": {
-                       "max_tokens": gs.NEW, "min_tokens": gs.NEW, "ignore_eos": True, "temperature": 1.0}},
-                   "judger": {"name": "bench_len_mod7", "executor": "inline"},
-                   "produce_strategy": {"name": "sync"}}],
-    }
+    """The benchmark recipe of ``grpo_step.py``: colocated sync, or disaggregated async with half the
+    ranks rolling out."""
+    raw = gs.bench_recipe(model_dir, data, work, steps)
+    raw["trainer"].update(mode=mode, sync_weights_interval=1)
+    raw["tasks"][0]["produce_strategy"] = {"name": "sync"}
     if mode == "disaggregated":
         half = gpus // 2
         raw["resources"].update(train_resources={"num_workers": gpus - half}, rollout_resources={"num_workers": half})
