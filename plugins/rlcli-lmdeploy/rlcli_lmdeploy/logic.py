@@ -194,7 +194,9 @@ def upcast_logits(agent: Any) -> None:
     shadowing the method): sampling and ``log_softmax`` then run in float32, so logprobs are
     float32 values of the bf16 model's logits - as vLLM and SGLang return them - instead of being
     rounded to bfloat16 (up to 0.03 per token between -8 and -16). Costs a float32 copy of each
-    step's logits (batch x vocab x 4 bytes)."""
+    step's logits (batch x vocab x 4 bytes). LMDeploy's own ``hf_overrides: {fp32_lm_head: true}``
+    is not the same: it keeps the LM head (and a tied embedding) in float32, so its logits are not
+    those of the bf16 weights the trainer computes with."""
     if getattr(agent, "_rlcli_float32_logits", False):
         return
     original = agent.get_logits
