@@ -23,7 +23,7 @@ from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.common import (
     Environment, Evaluator, Timer, best_and_worst, build_tasks, build_trackers, default_work_dir, dump_rollout_groups,
     freeze_heap, log_to_trackers, mean, prepare_work_dir, prune_step_dirs, sample_row, seed_everything,
-    sequences_from_groups,
+    sequences_from_groups, thaw_heap,
     setup_logging, step_summary, total_train_steps, write_jsonl, write_resolved,
 )
 
@@ -249,6 +249,7 @@ class ColocateRunner:
         if leftover:
             self.loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
         self.loop.close()
+        thaw_heap()
 
 
 def run_training(recipe: Recipe, work_dir: str | Path | None, *, quiet: bool = False,

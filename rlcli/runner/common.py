@@ -431,3 +431,14 @@ def freeze_heap() -> None:
 
     gc.collect()
     gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo :func:`freeze_heap` when a runner closes. Frozen objects are never collected, so a
+    closed runner's trainer, engine and their device memory (GiBs: weights, Adam state, KV
+    cache) would otherwise stay allocated for the life of the process as soon as anything
+    reaches them through a reference cycle - a second run in the same process, a notebook."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()

@@ -64,7 +64,7 @@ from rlcli.produce import ProduceStatus
 from rlcli.runner.common import (
     Environment, Evaluator, Timer, build_tasks, build_trackers, default_work_dir, dump_rollout_groups,
     eval_metrics, freeze_heap, log_to_trackers, mean, prepare_work_dir, prune_step_dirs, sample_row, seed_everything,
-    sequences_from_groups, setup_logging, step_summary, total_train_steps, write_jsonl, write_resolved,
+    sequences_from_groups, setup_logging, step_summary, thaw_heap, total_train_steps, write_jsonl, write_resolved,
 )
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.transport import (
@@ -701,5 +701,6 @@ def run_disaggregated(recipe: Recipe, work_dir: str | Path | None = None, *, qui
         raise
     finally:
         side.close(graceful=ok)
+        thaw_heap()
     path, final = broadcast(result, boot.placement.train0, None)
     return Path(path), final
