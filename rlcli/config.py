@@ -171,6 +171,18 @@ class FSDPConfig(Strict):
     param_dtype: Literal["auto", "float32", "bfloat16"] = Field("auto", description="Compute dtype (auto: model.dtype).")
     reduce_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Gradient reduction dtype.")
     torch_compile: bool = Field(False, description="torch.compile each decoder layer.")
+    activation_memory_budget: float = Field(
+        1.0, ge=0, le=1, description="With torch_compile: the share of each decoder layer's activations kept "
+        "for the backward pass; the compiler recomputes the rest, cheapest first. 1 keeps them all; 0 keeps "
+        "only each layer's inputs (like full activation checkpointing, one more forward's compute).")
+
+    @model_validator(mode="after")
+    def _check_budget(self):
+        if self.activation_memory_budget < 1 and not self.torch_compile:
+            raise ValueError(f"activation_memory_budget={self.activation_memory_budget} needs torch_compile: true "
+                             "(the compiler does the recomputation); for eager layers use "
+                             "train_worker.gradient_checkpointing")
+        return self
 
 
 class KLConfig(Strict):

@@ -150,6 +150,43 @@ def test_gradient_checkpointing_gives_same_update(model_dir):
     assert_same_update(state(a), state(b))
 
 
+def _saved_activation_bytes(worker, seqs) -> int:
+    """Bytes the autograd graph keeps for backward during one forward of the first micro-batch."""
+    mb = worker._micro_batches(seqs, [list(range(len(seqs)))])[0][0]
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logp, _ = worker._forward(mb)
+    logp.sum().backward()
+    worker.optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+def test_activation_memory_budget_recomputes_in_compiled_layers(model_dir):
+    """The budget makes the compiled layers keep fewer activations, the update stays the same, and a
+    worker built later in the same process with another budget gets its own compilation."""
+    seqs = make_batch(n=16, seed=4)
+    full = make_worker(model_dir, fsdp={"torch_compile": True})
+    lean = make_worker(model_dir, fsdp={"torch_compile": True, "activation_memory_budget": 0.0})
+    again = make_worker(model_dir, fsdp={"torch_compile": True})
+    kept = [_saved_activation_bytes(w, seqs) for w in (full, lean, again)]
+    assert kept[1] < 0.7 * kept[0], kept
+    assert kept[2] == kept[0], kept
+    ma, mb = full.train_step(seqs), lean.train_step(seqs)
+    assert ma["train/grad_norm"] == pytest.approx(mb["train/grad_norm"], rel=1e-5)
+    assert_same_update(state(full), state(lean))
+
+
+def test_activation_memory_budget_needs_torch_compile():
+    with pytest.raises(ValueError, match="activation_memory_budget=0.5 needs torch_compile"):
+        TrainWorkerConfig(fsdp={"activation_memory_budget": 0.5})
+
+
 def test_nan_advantage_skips_the_step(model_dir):
     w = make_worker(model_dir)
     seqs = make_batch(n=8)

@@ -41,6 +41,7 @@ resumed run reads the same weights from the same directory.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import re
@@ -175,6 +176,29 @@ class _FusedMath:
 
 
 _FUSED = _FusedMath()
+
+
+@functools.cache
+def _inductor_with_budget(budget: float):
+    """Inductor, partitioning forward and backward under ``activation_memory_budget``.
+
+    The budget is a global functorch setting that compiled graphs are not keyed on, so a plain
+    ``torch.compile`` would silently reuse a graph partitioned under another budget (a second
+    TrainWorker in the process, say). One backend object per budget keeps them apart: Dynamo
+    recompiles when the backend differs.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def _layer_compile_kwargs(budget: float) -> dict[str, Any]:
+    return {} if budget >= 1 else {"backend": _inductor_with_budget(float(budget))}
 
 
 _MM_OUT_DTYPE: bool | None = None  # whether torch.addmm(..., out_dtype=) works here (recent CUDA builds)
@@ -451,7 +475,7 @@ class TrainWorker:
             model.lm.to(self.device)
         for layer in self._decoder_layers(model.lm):
             if fs.torch_compile:
-                layer.compile()
+                layer.compile(**_layer_compile_kwargs(fs.activation_memory_budget))
             fully_shard(layer, mesh=self.mesh, mp_policy=layer_mp, offload_policy=offload,
                         reshard_after_forward=fs.reshard_after_forward)
         fully_shard(model, mesh=self.mesh, mp_policy=root_mp, offload_policy=offload)
