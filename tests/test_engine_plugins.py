@@ -373,9 +373,12 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
             assert bench.through_rlcli(be, prompts, seeded=seeded) > 0
         assert be._use_seeds is True  # the seeded round left the switch on
         assert bench.bare(engine, be, prompts) > 0
+        if engine == "sglang":  # the diagnostic path: one request per call on the bare engine
+            assert bench.bare(engine, be, prompts, each=True) > 0
         monkeypatch.setattr(bench, "THROUGHPUT_ROUNDS", 2)
         rates = bench.throughput(engine, be, prompts)  # warm-up + 2 interleaved rounds of each path
-        assert sorted(rates) == ["bare", "plain", "seeded"] and all(len(v) == 2 and min(v) > 0 for v in rates.values())
+        paths = ["bare", "plain", "seeded"] + (["bare_each"] if engine == "sglang" else [])
+        assert sorted(rates) == sorted(paths) and all(len(v) == 2 and min(v) > 0 for v in rates.values())
     finally:
         be.shutdown()
 
