@@ -56,8 +56,10 @@ MEMORY_DIR: Path | None = None  # --memory: a train step's peak and what it leav
 
 def _where(frames: list[dict]) -> str:
     """The innermost frames of an allocation outside torch's own machinery (torch.nn kept)."""
-    kept = [f for f in frames if "site-packages/torch/" not in f.get("filename", "")
-            or "torch/nn/" in f.get("filename", "")][:4]
+    # Python frames only: with C++ stacks recorded as well (torch's default), the innermost frames are
+    # the allocator's own (seen on the H200: every block grouped under CUDACachingAllocator::malloc).
+    py = [f for f in frames if f.get("filename", "").endswith(".py")]
+    kept = [f for f in py if "site-packages/torch/" not in f["filename"] or "torch/nn/" in f["filename"]][:4]
     return " <- ".join(f"{Path(f.get('filename', '?')).name}:{f.get('line', '?')} {f.get('name', '?')}"
                        for f in kept) or "(no stack recorded)"
 

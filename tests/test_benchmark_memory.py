@@ -17,14 +17,16 @@ def test_memory_summary_groups_live_blocks_by_allocation_stack():
     snap = {"segments": [{"blocks": [
         {"size": 3 * 2**30, "state": "active_allocated", "frames": [frame("/x/site-packages/torch/cuda/memory.py", 1, "f"),
                                                                   frame("/r/rlcli/train/worker.py", 10, "train_step")]},
-        {"size": 2**30, "state": "active_allocated", "frames": [frame("/r/rlcli/train/worker.py", 10, "train_step")]},
+        {"size": 2**30, "state": "active_allocated", "frames": [  # C++ frames first, as torch records them
+            frame("??", 0, "torch::unwind::unwind()"), frame("CUDACachingAllocator.cpp", 0, "malloc"),
+            frame("/r/rlcli/train/worker.py", 10, "train_step")]},
         {"size": 5 * 2**30, "state": "inactive", "frames": []},
         {"size": 2**29, "state": "active_allocated", "frames": []},
     ]}]}
     text = gs.summarize_snapshot(snap)
     lines = text.splitlines()
     assert lines[0] == "live: 4.50 GiB in 3 blocks"  # the inactive (cached, free) block is not live
-    assert lines[1].split() == ["4.000", "GiB", "2", "blocks", "worker.py:10", "train_step"]  # torch frames skipped
+    assert lines[1].split() == ["4.000", "GiB", "2", "blocks", "worker.py:10", "train_step"]  # torch and C++ frames skipped
     assert "(no stack recorded)" in lines[2]
 
 
