@@ -383,6 +383,14 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
         be.shutdown()
 
 
+def test_benchmark_ratio_pairs_each_round_with_its_bare_round(bench):
+    # SGLang's rounds of 2026-12-02: the machine sped up in the last round, plain did not
+    rates = {"plain": [17955, 17926, 19903], "seeded": [16906, 17966, 25775], "bare": [17358, 19399, 26138]}
+    assert round(max(rates["plain"]) / max(rates["bare"]), 2) == 0.76  # best against best
+    assert round(bench.paired_ratio(rates, "plain"), 2) == 0.92
+    assert round(bench.paired_ratio(rates, "seeded"), 2) == 0.97
+
+
 def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     monkeypatch.setattr(bench, "RESULTS", [
         {"what": "check", "check": "greedy_matches_reference", "status": "pass", "detail": ""},
@@ -395,6 +403,8 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     md = bench.markdown("vllm", env)
     assert "| vllm 0.26.0 | 2026-12-01 | NVIDIA H200 | 1/3 pass; FAIL: sleep_wake; not run: many_concurrent | not run |" in md
     assert "| 20,000 | 15,000 | 21,000 | 0.95 |" in md
+    bench.RESULTS[-1]["ratio_paired_median"] = 0.9
+    assert "| 20,000 | 15,000 | 21,000 | 0.95 (per-round median 0.90) |" in bench.markdown("vllm", env)
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
 
 
