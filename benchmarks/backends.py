@@ -155,8 +155,8 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
     elif engine == "sglang":
         # bf16: SGLang 0.5.17's fused RMSNorm (sgl-kernel) has no float32 path; the plugin refuses float32
         cls, dtype = mod.SGLangBackend, torch.bfloat16
-        # Graph capture for every prefill size and decode batch size up to 256 was most of the 47-120 s
-        # each kit engine took to build on the H200; the tiny models need neither (same semantics).
+        # Each kit engine took 47-120 s to build on the H200, capturing graphs for 58 prefill token counts
+        # and 36 decode batch sizes up to 256; the tiny models need none of that (same semantics).
         settings = dict(mem_fraction_static=0.25, max_model_len=512,
                         engine_kwargs=dict(disable_prefill_cuda_graph=True, cuda_graph_max_bs_decode=32))
     else:
@@ -214,6 +214,8 @@ def through_rlcli(backend, prompts: list[list[int]], seeded: bool) -> float:
 def bare(engine: str, backend, prompts: list[list[int]], each: bool = False) -> float:
     """Generated tok/s of the engine's own offline path on the backend's engine object (SGLang with
     ``each``: one ``generate_request`` per sequence, all in flight together)."""
+    if each and engine != "sglang":
+        raise ValueError(f"bare(each=True) is SGLang's diagnostic path, not {engine}'s")
     reqs = [p for p in prompts for _ in range(K)]
     if engine == "embedded":
         from rlcli.backends.base import GenerateRequest
@@ -314,7 +316,7 @@ def paired_ratio(rates: dict[str, list[float]], path: str) -> float:
 
 def throughput_paths(engine: str, backend, prompts: list[list[int]]) -> dict[str, Callable[[], float]]:
     """One round of each measured path, by name: through rlcli without and with per-request seeds
-    ("plain", "seeded"), and the engine's own offline path ("bare")."""
+    ("plain", "seeded"), the engine's own offline path ("bare"), and for SGLang "bare_each"."""
     paths = {
         "plain": lambda: through_rlcli(backend, prompts, seeded=False),
         "seeded": lambda: through_rlcli(backend, prompts, seeded=engine != "embedded"),
@@ -328,9 +330,9 @@ def throughput_paths(engine: str, backend, prompts: list[list[int]]) -> dict[str
 
 
 def throughput(engine: str, backend, prompts: list[list[int]]) -> dict[str, list[float]]:
-    """Generated tok/s of the three paths - through rlcli without and with per-request seeds, and
-    bare - in interleaved rounds (a warm-up round of each first), so that compilation, cache
-    warm-up or clock drift during the run does not favour one of them."""
+    """Generated tok/s of the paths of :func:`throughput_paths`, in interleaved rounds (a warm-up
+    round of each first), so that compilation, cache warm-up or clock drift during the run does not
+    favour one of them."""
     paths = throughput_paths(engine, backend, prompts)
     rates: dict[str, list[float]] = {k: [] for k in paths}
     for _ in range(1 + THROUGHPUT_ROUNDS):
@@ -598,7 +600,7 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     if args.tiny:
-        gs.SHAPE.update(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128)
+        gs.SHAPE.update(gs.SHAPES["tiny"])
         gs.DEVICE, gs.PROMPTS, gs.NEW, gs.PROMPT_LEN = "cpu", 4, 8, 8
     elif not torch.cuda.is_available():
         ap.error("no CUDA device: use --tiny on a CPU machine")

@@ -43,7 +43,12 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 import bench_plugin  # noqa: E402  (the benchmark judger, a plugin module)
 
-SHAPE = dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864)
+SHAPES = {  # random-init Qwen2.5 shapes; "tiny" is the CPU smoke-test model of --tiny
+    "0.5b": dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864),
+    "1.5b": dict(vocab=151936, layers=28, hidden=1536, heads=12, kv=2, inter=8960),
+    "tiny": dict(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128),
+}
+SHAPE = dict(SHAPES["0.5b"])  # the shape the model is built with (the workload)
 PROMPTS, K, NEW, PROMPT_LEN = 64, 8, 256, 64
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -498,7 +503,7 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR, MEMORY_DIR
     if args.tiny:
-        SHAPE.update(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128)
+        SHAPE.update(SHAPES["tiny"])
         DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
         args.ceilings = False
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32

@@ -46,11 +46,6 @@ sys.path.insert(0, str(HERE))
 
 import grpo_step as gs  # noqa: E402  (the model, tokenizer and prompts of the single-GPU benchmark)
 
-SHAPES = {
-    "0.5b": dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864),
-    "1.5b": dict(vocab=151936, layers=28, hidden=1536, heads=12, kv=2, inter=8960),
-    "tiny": dict(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128),
-}
 STEPS = 6  # per run; the first WARMUP are left out of the medians
 WARMUP = 2
 RESULTS = gs.RESULTS  # RESULT lines as grpo_step.py prints them
@@ -239,7 +234,7 @@ def prepare(root: Path, shape: str, steps: int) -> tuple[Path, Path]:
     """The model dir and prompts of ``shape`` (built once per process)."""
     if shape not in _PREPARED:
         gs.SHAPE.clear()
-        gs.SHAPE.update(SHAPES[shape])
+        gs.SHAPE.update(gs.SHAPES[shape])
         d = root / f"model-{shape}"
         d.mkdir(parents=True, exist_ok=True)
         model_dir = gs.make_model_dir(d) if not (d / "config.json").exists() else d

@@ -175,12 +175,13 @@ def plugins(as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps({"components": rows, "broken": broken}, indent=2))
         return
-    provider = {id(r): f"{r['distribution']} {r['version']}" for r in rows}
-    width = max([16, *(len(p) for p in provider.values())])
+    for r in rows:
+        r["provider"] = f"{r['distribution']} {r['version']}"
+    width = max([16, *(len(r["provider"]) for r in rows)])
     for kind in KINDS:
         click.secho(kind, bold=True)
         for r in (r for r in rows if r["kind"] == kind):
-            click.echo(f"  {r['name']:<22} {provider[id(r)]:<{width}} {r['description']}")
+            click.echo(f"  {r['name']:<22} {r['provider']:<{width}} {r['description']}")
     for b in broken:
         click.secho(f"broken plugin {b['distribution']} ({b['entry_point']}): {b['error']}", fg="red")
 

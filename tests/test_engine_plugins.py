@@ -375,6 +375,9 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
         assert bench.bare(engine, be, prompts) > 0
         if engine == "sglang":  # the diagnostic path: one request per call on the bare engine
             assert bench.bare(engine, be, prompts, each=True) > 0
+        else:
+            with pytest.raises(ValueError, match="SGLang's diagnostic path"):
+                bench.bare(engine, be, prompts, each=True)
         monkeypatch.setattr(bench, "THROUGHPUT_ROUNDS", 2)
         rates = bench.throughput(engine, be, prompts)  # warm-up + 2 interleaved rounds of each path
         paths = ["bare", "plain", "seeded"] + (["bare_each"] if engine == "sglang" else [])
