@@ -369,7 +369,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
         runner.close()
     measured = rows[1:]  # step 1 warms up (CUDA graphs, allocator)
     if PROFILE_DIR is not None:  # steps 3 (whole step) and 4 (train) may have run under the profiler
-        skip = (1, 4) if PROFILE_WHAT == "train" else (1, 3, 4)
+        skip = (1, 3, 4) if PROFILE_WHAT == "all" and label == "embedded" else (1, 4)
         measured = [r for i, r in enumerate(rows, 1) if i not in skip] or measured
     step_s = [r["timing/step_s"] for r in measured]
     roll = [r["timing/rollout_s"] for r in measured]

@@ -525,6 +525,30 @@ def test_sample_plain_is_the_inverse_cdf_draw_with_exact_logprobs(temperature):
     assert torch.allclose(lp, ref, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab", [151_936, 997, 8])
+def test_two_level_inverse_cdf_matches_the_exact_draw_and_never_picks_a_masked_token(vocab):
+    """The sampler's two-level CDF (block sums, then one block) draws the token a float64 inverse
+    CDF draws, bar rounding at a boundary, for a vocabulary split evenly into blocks, one padded
+    (997, prime) and one smaller than a block; masked (-inf) tokens are never chosen."""
+    from rlcli.backends.embedded import sample_tokens
+
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(128, vocab, generator=g) * 3
+    scores[:, 1::3] = float("-inf")
+    u = torch.randint(0, 2**23, (128,), generator=g).float() * 2**-23
+    u[:3] = torch.tensor([0.0, 0.5, 1 - 2**-23])
+    tok = sample_tokens(scores, u)
+    assert torch.isfinite(scores.gather(1, tok[:, None])).all()
+    x = scores.double()
+    cum = (x - x.amax(dim=-1, keepdim=True)).exp().cumsum(dim=-1)
+    exact = torch.searchsorted(cum, (u.double() * cum[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    assert (tok == exact).float().mean() >= 0.98
+    # frequencies follow the distribution
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    draws = sample_tokens(probs.log().repeat(100_000, 1), torch.rand(100_000, generator=g) * (1 - 2**-23))
+    assert torch.allclose(torch.bincount(draws, minlength=4) / 100_000, probs, atol=0.01)
+
+
 def test_tied_weights_sent_under_both_names_are_copied_once(model_dirs, monkeypatch):
     be = make(model_dirs[0])
     embed = be.engine.model.embed.weight

@@ -148,17 +148,53 @@ def filter_top_k_top_p(
     return scores.masked_fill(scores < thresh, float("-inf"))
 
 
+def _cdf_block(vocab: int) -> int:
+    """Block width of the two-level CDF: the largest power of two up to 1024 that divides the
+    vocabulary (no padding), else 1024 (the scores are padded with ``-inf``)."""
+    for b in (1024, 512, 256, 128):
+        if vocab % b == 0:
+            return b
+    return 1024
+
+
+def _inverse_cdf(scores: torch.Tensor, row_max: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token per row where the CDF of ``exp(scores - row_max)`` first exceeds ``uniform * total``,
+    and ``total`` (the sum of those weights, ``[n, 1]``).
+
+    Two levels, so nothing of the vocabulary's size is scanned or stored in float32: the sums of
+    blocks of ``_cdf_block(V)`` scores pick the block (a scan over ``V / block`` numbers), then a
+    scan inside that one block picks the token. ``uniform * total < total`` (as
+    :func:`counter_uniform` guarantees) keeps the choice on a token of positive weight; rounding
+    between the two levels is clamped to the chosen block's last positive weight.
+    """
+    n, vocab = scores.shape
+    width = _cdf_block(vocab)
+    pad = -vocab % width
+    if pad:
+        scores = F.pad(scores, (0, pad), value=float("-inf"))
+    blocks = scores.view(n, -1, width)
+    block_sum = (blocks - row_max.unsqueeze(-1)).exp().sum(dim=-1)  # [n, nb]
+    block_cum = block_sum.cumsum(dim=-1)
+    total = block_cum[:, -1:]
+    target = uniform.unsqueeze(1) * total
+    block = torch.searchsorted(block_cum, target, right=True).clamp_(max=block_sum.shape[1] - 1)  # [n, 1]
+    before = block_cum.gather(1, block) - block_sum.gather(1, block)
+    weights = (blocks.gather(1, block.unsqueeze(-1).expand(n, 1, width)).squeeze(1) - row_max).exp()  # [n, width]
+    within = torch.searchsorted(weights.cumsum(dim=-1), (target - before).clamp_min(0), right=True)
+    lane = torch.arange(width, device=scores.device)
+    last = torch.where(weights > 0, lane, torch.zeros_like(lane)).amax(dim=-1, keepdim=True)
+    tok = block * width + torch.minimum(within, last)
+    return tok.squeeze(1), total
+
+
 def sample_tokens(scores: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Draw one token per row from ``softmax(scores)`` by inverting its CDF at ``uniform``.
 
     ``uniform`` must lie in ``[0, 1)`` with ``uniform * total < total`` in float32 (as
     :func:`counter_uniform` guarantees); the chosen token then always has positive probability.
     """
-    p = (scores - scores.max(dim=-1, keepdim=True).values).exp()
-    cum = p.cumsum(dim=-1)
-    target = (uniform * cum[:, -1]).unsqueeze(-1)
-    tok = torch.searchsorted(cum, target, right=True).squeeze(-1)
-    return tok.clamp_(max=scores.shape[-1] - 1)
+    tok, _ = _inverse_cdf(scores, scores.amax(dim=-1, keepdim=True), uniform)
+    return tok
 
 
 def sample_plain(
@@ -167,18 +203,16 @@ def sample_plain(
     """Token and its logprob per row of ``softmax(logits / temperature)``, no filtering.
 
     The same draw as :func:`sample_tokens` (inverse CDF at ``uniform``) with the log-normaliser
-    taken from the same pass (``max + log(sum)``), as plain tensor math that ``torch.compile``
-    fuses into a few passes over the logits. ``logits`` may be half precision (upcast here).
+    taken from the same pass, as plain tensor math that ``torch.compile`` fuses into a few passes
+    over the logits. ``logits`` may be half precision (upcast here).
     """
     x = logits.float()
     if temperature is not None:
         x = x / temperature.unsqueeze(1)
     m = x.amax(dim=-1, keepdim=True)
-    cum = (x - m).exp().cumsum(dim=-1)
-    total = cum[:, -1:]
-    tok = torch.searchsorted(cum, uniform.unsqueeze(1) * total, right=True).clamp_(max=x.shape[-1] - 1)
-    logprob = x.gather(1, tok) - m - total.log()
-    return tok.squeeze(1), logprob.squeeze(1)
+    tok, total = _inverse_cdf(x, m, uniform)
+    logprob = x.gather(1, tok.unsqueeze(1)) - m - total.log()
+    return tok, logprob.squeeze(1)
 
 
 # ------------------------------------------------------------------------------------------

@@ -796,8 +796,14 @@ class TrainWorker:
 
     @staticmethod
     def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if isinstance(tensor, DTensor):
+            local = tensor._local_tensor
+            # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a
+            # collective launch per tensor).
+            whole = tensor.device_mesh.size() == 1 and tuple(local.shape) == tuple(tensor.shape)
+            full = local if whole else tensor.full_tensor()
+        else:
+            local = full = tensor
         full = full.detach()
         if full.is_floating_point():
             full = full.to(dtype)
