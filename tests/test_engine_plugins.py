@@ -380,7 +380,7 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
                 bench.bare(engine, be, prompts, each=True)
         monkeypatch.setattr(bench, "THROUGHPUT_ROUNDS", 2)
         rates = bench.throughput(engine, be, prompts)  # warm-up + 2 interleaved rounds of each path
-        paths = ["bare", "plain", "seeded"] + (["bare_each"] if engine == "sglang" else [])
+        paths = ["bare", "plain", "seeded"] + (["bare_each", "batched"] if engine == "sglang" else [])
         assert sorted(rates) == sorted(paths) and all(len(v) == 2 and min(v) > 0 for v in rates.values())
     finally:
         be.shutdown()

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import logging
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
 
-from rlcli.backends.base import BackendContext
+from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest
 from rlcli.component import ComponentConfig
 from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_sglang.logic import (
     FLOAT32_REFUSAL,
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    batch_outputs,
     engine_kwargs,
     finish_reason,
     first_stop,
@@ -51,6 +55,12 @@ ids (``skip_tokenizer_init``) straight to the tokenizer manager's ``generate_req
 * **Seeds**: off by default (``use_request_seeds``): SGLang reads a request's ``sampling_seed`` only
   with ``enable_deterministic_inference`` (batch-invariant kernels, pytorch sampler: slower), which
   the option turns on.
+* **Batches** (``batch_requests``, off by default): the non-streamed SGLang requests that a
+  caller's event loop makes in one turn (an agent loop's ``asyncio.gather``), or that the engine
+  loop makes in one turn (second ``min_tokens`` phases), go to SGLang as one batched
+  ``generate_request``, as ``Engine.generate`` on a list does. Each keeps its rid (pause aborts
+  each). SGLang answers a batch only when every request in it is done. A request it refuses fails
+  the whole batch, whose requests are then sent one by one.
 * **Length**: SGLang serves at most ``context_length - 2`` tokens per sequence, so ``max_model_len``
   (prompt + response) is that.
 * **float32** is refused when the backend is built (sgl-kernel's fused RMSNorm has no float32 path).
@@ -63,6 +73,7 @@ class SGLangBackend(EngineBackend):
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
     float32_refusal = FLOAT32_REFUSAL  # a clear error up front, not a dead scheduler and a SIGQUIT later
     idle_timeout_s: ClassVar[float] = 120.0
+    batch_hold_s: ClassVar[float] = 0.5  # batch_requests: the longest callers' bursts hold a batch back
 
     class Config(ComponentConfig):
         mem_fraction_static: float = Field(
@@ -89,6 +100,15 @@ class SGLangBackend(EngineBackend):
             "enable_deterministic_inference, the only mode in which it reads per-request seeds "
             "(batch-invariant kernels and the pytorch sampler: slower).",
         )
+        batch_requests: bool = Field(
+            False,
+            description="Send the non-streamed requests that the caller makes in one event-loop turn (an "
+            "asyncio.gather of generate calls, as the agent loop sends a rollout) to SGLang as one batched "
+            "request, as SGLang's offline Engine.generate on a list does, so its scheduler receives them "
+            "together. SGLang answers a batch only when all its requests are done: a request that finishes "
+            "early waits for the batch's slowest. For single-turn synchronous rollouts, not for multi-turn "
+            "agent loops or streaming/partial rollout pipelines.",
+        )
         log_level: str = Field("error", description="SGLang's log level.")
         engine_kwargs: dict[str, Any] = Field(
             default_factory=dict,
@@ -101,7 +121,14 @@ class SGLangBackend(EngineBackend):
         self._api: SimpleNamespace | None = None
         self._tm: Any = None
         self._released: set[str] = set()
+        self._queued: list[_Queued] = []  # batch_requests: requests for the next batch (engine loop)
+        self._queued_since = 0.0
+        self._flush_turn = 0  # the flush scheduled last
+        self._holds: set[object] = set()  # callers' bursts still arriving (engine loop)
+        self._bursts: set[asyncio.AbstractEventLoop] = set()  # caller loops holding batches back
+        self._batches: set[asyncio.Task] = set()
         super().__init__(config, ctx)
+        self.batch_requests: bool = self.config.batch_requests  # the runtime switch behind the option
 
     # -------------------------------------------------------------------------- engine
     @staticmethod
@@ -172,18 +199,25 @@ class SGLangBackend(EngineBackend):
         return reason, error
 
     async def _run_phase(self, job: Job, prompt: list[int], phase, rid: str) -> tuple[str, str | None]:
+        job.handle = rid
+        if self.batch_requests and not phase.stream:
+            answer = await self._in_batch(job, prompt, phase.sampling, rid)
+            if not isinstance(answer, str):
+                try:
+                    return _finished(job, answer)
+                except Exception as exc:
+                    return _failed(job, exc)
+            if job.aborted:
+                return "abort", None
+            rid = job.handle = answer  # not served in a batch: sent alone, under this rid
         obj = self._api.GenerateReqInput(
             input_ids=prompt, sampling_params=dict(phase.sampling), return_logprob=True, stream=phase.stream, rid=rid
         )
-        job.handle = rid
         start = len(job.token_ids)
         gen = self._tm.generate_request(obj, None)
         try:
             if not phase.stream:
-                out = await gen.__anext__()
-                ids, lps, ftype, message = parse_output(out)
-                job.add(ids, lps)
-                return finish_reason(ftype, message)
+                return _finished(job, await gen.__anext__())
             stopped = False
             async for out in gen:
                 ids, lps, ftype, message = parse_output(out)  # cumulative: the new part is past what we have
@@ -201,18 +235,114 @@ class SGLangBackend(EngineBackend):
                     return ("stop", None) if stopped else finish_reason(ftype, message)
             return ("stop", None) if stopped else ("error", "SGLang ended the stream without a finish reason")
         except Exception as exc:
-            # SGLang raises ValueError for rejected input and for requests aborted before they were
-            # scheduled, HTTPException for engine-side failures
-            if job.aborted:
-                return "abort", None
-            return "error", f"{type(exc).__name__}: {exc}"
+            return _failed(job, exc)
         finally:
             await gen.aclose()
+
+    # -------------------------------------------------------------------------- batched requests
+    async def generate(self, request: GenerateRequest) -> GenerateOutput:
+        """As :meth:`EngineBackend.generate`; with ``batch_requests``, the requests a caller's event
+        loop makes in one turn go to SGLang together (see :meth:`_hold_batches`)."""
+        if self.batch_requests:
+            self._hold_batches()
+        return await super().generate(request)
+
+    def _hold_batches(self) -> None:
+        """(On the caller's thread.) Hold batches back until the caller's event loop ends this turn:
+        the ``generate`` calls of one turn reach the engine loop one by one, over several of its
+        turns, and are meant to be one batch."""
+        caller = asyncio.get_running_loop()
+        if caller in self._bursts:
+            return
+        token = object()
+        try:
+            self._loop.loop.call_soon_threadsafe(self._hold, token)
+        except RuntimeError:  # the engine loop has stopped (generate says so)
+            return
+        self._bursts.add(caller)
+        caller.call_soon(self._end_burst, caller, token)
+
+    def _end_burst(self, caller: asyncio.AbstractEventLoop, token: object) -> None:
+        self._bursts.discard(caller)
+        with contextlib.suppress(RuntimeError):  # the engine loop has stopped
+            self._loop.loop.call_soon_threadsafe(self._unhold, token)
+
+    def _hold(self, token: object) -> None:
+        self._holds.add(token)
+        # the caller's loop may stop before its next turn: the hold expires
+        asyncio.get_running_loop().call_later(self.batch_hold_s, self._unhold, token)
+
+    def _unhold(self, token: object) -> None:
+        if token in self._holds:
+            self._holds.discard(token)
+            if self._queued:
+                self._schedule_flush()
+
+    def _in_batch(self, job: Job, prompt: list[int], sampling: dict[str, Any], rid: str) -> asyncio.Future:
+        """Queue a non-streamed request for the next batch. The future's result is SGLang's output
+        dict, or the rid under which to send the request alone (the batch did not serve it)."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        if not self._queued:
+            self._queued_since = loop.time()
+        self._queued.append(_Queued(job, prompt, dict(sampling), rid, answer))
+        self._schedule_flush()
+        return answer
+
+    def _schedule_flush(self) -> None:
+        """Flush after the callbacks already scheduled (the steps of requests on their way in);
+        a flush scheduled earlier gives way to this one."""
+        self._flush_turn += 1
+        asyncio.get_running_loop().call_soon(self._flush, self._flush_turn)
+
+    def _flush(self, turn: int) -> None:
+        """Send what is queued as one batch, unless a later flush is scheduled or callers'
+        requests are still arriving - for at most ``batch_hold_s``."""
+        overdue = asyncio.get_running_loop().time() - self._queued_since >= self.batch_hold_s
+        if not self._queued or (not overdue and (turn != self._flush_turn or self._holds)):
+            return
+        batch, self._queued = self._queued, []
+        task = asyncio.ensure_future(self._send_batch(batch))
+        self._batches.add(task)  # the loop keeps only a weak reference
+        task.add_done_callback(self._batches.discard)
+
+    async def _send_batch(self, batch: list[_Queued]) -> None:
+        """One batched ``generate_request`` for the requests of ``batch`` not aborted meanwhile. If
+        it raises, each request is sent alone instead, under a new rid (SGLang may still be ending
+        the batch's requests, and routes outputs by rid)."""
+        live = _unsent(batch)
+        if len(live) < 2:
+            for q in live:
+                _answer(q, q.rid)
+            return
+        rids = [q.rid for q in live]
+        obj = self._api.GenerateReqInput(
+            input_ids=[q.prompt for q in live], sampling_params=[q.sampling for q in live], return_logprob=True,
+            stream=False, rid=rids,
+        )
+        # No await between the check above and SGLang registering the rids: a later abort reaches SGLang.
+        gen = self._tm.generate_request(obj, None)
+        try:
+            answers: list[Any] = batch_outputs(await gen.__anext__(), rids)
+        except asyncio.CancelledError:
+            for q in live:
+                q.answer.cancel()
+            raise
+        except Exception as exc:  # SGLang refused a request of the batch, or one was aborted before it was sent
+            if not all(q.job.aborted for q in live):
+                log.warning("SGLang batch of %d requests failed (%s: %s); sending them one by one",
+                            len(live), type(exc).__name__, exc)
+            answers = [f"{rid}.alone" for rid in rids]
+        finally:
+            await gen.aclose()  # leaves SGLang's model-update lock
+        for q, answer in zip(live, answers):
+            _answer(q, answer)
 
     async def _engine_abort(self, jobs: list[Job]) -> None:
         for job in jobs:
             if job.handle is not None:
                 self._tm.abort_request(job.handle)
+        self._queued = _unsent(self._queued)  # queued requests end now, unsent
 
     async def _wait_idle(self) -> None:
         """Wait until SGLang's scheduler is idle (it refuses to release memory otherwise).
@@ -272,6 +402,49 @@ class SGLangBackend(EngineBackend):
             return
         _kill_process_trees(pids)
         self._tm = None
+
+
+@dataclass
+class _Queued:
+    """A non-streamed SGLang request waiting for the next batch."""
+
+    job: Job
+    prompt: list[int]
+    sampling: dict[str, Any]
+    rid: str
+    answer: asyncio.Future
+
+
+def _answer(q: _Queued, result: Any) -> None:
+    if not q.answer.done():  # its caller may have been cancelled
+        q.answer.set_result(result)
+
+
+def _unsent(batch: list[_Queued]) -> list[_Queued]:
+    """The queued requests still to send. Aborted ones are answered with their rid at once (SGLang
+    never saw it: ``_run_phase`` then reports "abort")."""
+    live = []
+    for q in batch:
+        if q.job.aborted:
+            _answer(q, q.rid)
+        elif not q.answer.done():  # else its caller was cancelled
+            live.append(q)
+    return live
+
+
+def _finished(job: Job, out: Any) -> tuple[str, str | None]:
+    """Add the tokens of a non-streamed request's output to ``job``; its finish reason."""
+    ids, lps, ftype, message = parse_output(out)
+    job.add(ids, lps)
+    return finish_reason(ftype, message)
+
+
+def _failed(job: Job, exc: Exception) -> tuple[str, str | None]:
+    """The finish of a request that raised. SGLang raises ValueError for rejected input and for
+    requests aborted before they were scheduled, HTTPException for engine-side failures."""
+    if job.aborted:
+        return "abort", None
+    return "error", f"{type(exc).__name__}: {exc}"
 
 
 def _kill_process_trees(pids: list[int], timeout: float = 60.0) -> None:

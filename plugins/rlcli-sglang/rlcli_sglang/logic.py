@@ -28,6 +28,16 @@ Matched against the SGLang 0.5.17 sources (wheel ``sglang-0.5.17-cp311-cp311-man
   carry the cumulative lists, except the answer to an abort of a *queued* streamed request, whose
   ``output_ids`` holds only the last token (its ``output_token_logprobs`` stay cumulative, so
   :func:`parse_output` reads the tokens from them).
+* ``sglang/srt/managers/tokenizer_manager.py`` (``_handle_batch_request``,
+  ``_collect_batch_responses``) and ``io_struct.py`` (``GenerateReqInput``): a request whose
+  ``input_ids`` is a list of lists (``sampling_params`` and ``rid`` lists of the same length) is a
+  batch. With pre-tokenized input and no DP attention, every sub-request is validated and
+  tokenized, then all go to the scheduler as one ``BatchTokenizedGenerateReqInput``; each keeps its
+  rid (``abort_request(rid)`` ends that one alone). A sub-request refused before sending (too
+  long, bad sampling parameters) or aborted before sending raises for the whole batch; one the
+  scheduler refuses (``BAD_REQUEST``) raises once it answers, and the batch's other requests are
+  then aborted. A non-streamed batch yields one list of the single-request outputs, in batch
+  order, once all are done.
 * ``sglang/srt/managers/tp_worker.py`` / ``scheduler.py``: ``max_req_len = context_len - 1``,
   ``max_new_tokens`` is clipped to ``max_req_len - prompt - 1`` and prompts of
   ``max_req_len - 5`` tokens or more are refused: a sequence holds at most ``context_len - 2``
@@ -247,6 +257,19 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
             f"SGLang logprob entry {mismatch} is for token {ids[mismatch]}, the output has a different token"
         )
     return ids, lps, (str(ftype) if ftype is not None else None), (str(message) if message else None)
+
+
+def batch_outputs(outs: Any, rids: Sequence[str]) -> list[Mapping[str, Any]]:
+    """The outputs SGLang yields for a non-streamed batch with these rids, checked: one list, one
+    output per rid in batch order (``meta_info["id"]``). Anything else raises ``ValueError``."""
+    if not isinstance(outs, list) or len(outs) != len(rids):
+        raise ValueError(f"SGLang answered a batch of {len(rids)} requests with {type(outs).__name__} "
+                         f"of {len(outs) if isinstance(outs, list) else 'no'} outputs")
+    for i, (out, rid) in enumerate(zip(outs, rids)):
+        got = (out.get("meta_info") or {}).get("id") if isinstance(out, Mapping) else None
+        if got != rid:
+            raise ValueError(f"SGLang's batch output {i} is for request {got!r}, not {rid!r}")
+    return outs
 
 
 def finish_reason(ftype: str | None, message: str | None) -> tuple[str, str | None]:

@@ -13,9 +13,14 @@ reasons ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`
   still decodes one more token; ``ignore_eos`` turns every stop id off; ``logit_bias`` applies
   before sampling;
 * ``abort_request(rid)`` of a request that has not started makes ``generate_request`` raise
-  ``RequestAbortedError`` (a ``ValueError``); with ``abort_echo`` set, the answer to an abort of a
-  streamed request has the shape of ``_handle_abort_req`` for a queued request (``output_ids``
-  only the last token, logprobs cumulative);
+  ``RequestAbortedError`` (a ``ValueError``); a rid not held (not yet sent, or finished) is
+  ignored; with ``abort_echo`` set, the answer to an abort of a streamed request has the shape of
+  ``_handle_abort_req`` for a queued request (``output_ids`` only the last token, logprobs
+  cumulative);
+* a batch (``input_ids`` a list of lists, ``sampling_params`` a dict or a list, ``rid`` a list,
+  a string or None), non-streamed: a refused or aborted request before the batch is sent fails
+  the whole batch; then one list of the outputs, in order, when all are done; each request keeps
+  its rid (``abort_request`` ends it alone);
 * ``SamplingParams``: unknown keys raise ``TypeError``; ``top_k`` 0 and ``min_new_tokens > 0``
   (no tokenizer) raise ``ValueError``; ``max_new_tokens`` is clipped to
   ``context_len - 2 - prompt`` and prompts of ``context_len - 6`` tokens or more are refused;
@@ -27,6 +32,7 @@ reasons ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -55,11 +61,11 @@ class RequestAbortedError(ValueError):
 
 @dataclass
 class GenerateReqInput:
-    input_ids: list[int]
-    sampling_params: dict
+    input_ids: list[int] | list[list[int]]  # a list of lists: a batch
+    sampling_params: dict | list[dict]
     return_logprob: bool = False
     stream: bool = False
-    rid: str | None = None
+    rid: str | list[str] | None = None
 
 
 @dataclass
@@ -89,7 +95,9 @@ class FakeTokenizerManager:
         self.aborted: set[str] = set()
         self.released: set[str] = set()
         self.calls: list[tuple] = []
-        self.requests: list[GenerateReqInput] = []
+        self.requests: list[GenerateReqInput] = []  # a batch's requests one by one
+        self.generate_calls: list[int | None] = []  # per generate_request call: its batch size, None if single
+        self.live: set[str] = set()  # rids between generate_request and their end
         self.running = 0
         self.idle_confirmed = False
         self.thread_ids: set[int] = set()
@@ -120,21 +128,58 @@ class FakeTokenizerManager:
         return sp
 
     async def generate_request(self, obj: GenerateReqInput, request: Any = None):
-        if obj.input_ids and isinstance(obj.input_ids[0], list):  # a batch: one final list of outputs
-            subs = [GenerateReqInput(ids, dict(obj.sampling_params), obj.return_logprob, False, f"batch-{i}")
-                    for i, ids in enumerate(obj.input_ids)]
-            finals = await asyncio.gather(*(self._final(s) for s in subs))
-            yield finals
-            return
         self.thread_ids.add(threading.get_ident())
-        assert request is None and obj.return_logprob and obj.rid
+        assert request is None and obj.return_logprob
         assert "kv_cache" not in self.released, "served a request with the KV cache released"
-        self.requests.append(obj)
         self.idle_confirmed = False
-        await asyncio.sleep(0)  # tokenization: the first point where an abort can land
-        if obj.rid in self.aborted:
-            raise RequestAbortedError(f"Request {obj.rid} was aborted")
-        sp = self._check_sampling(obj)
+        if obj.input_ids and isinstance(obj.input_ids[0], list):
+            async with contextlib.aclosing(self._batch(obj)) as batch:
+                async for outs in batch:
+                    yield outs
+            return
+        assert obj.rid
+        self.generate_calls.append(None)
+        self.requests.append(obj)
+        self.live.add(obj.rid)
+        try:
+            await asyncio.sleep(0)  # tokenization: the first point where an abort can land
+            if obj.rid in self.aborted:
+                raise RequestAbortedError(f"Request {obj.rid} was aborted")
+            async with contextlib.aclosing(self._decode(obj, self._check_sampling(obj))) as outs:
+                async for out in outs:
+                    yield out
+        finally:
+            self.live.discard(obj.rid)
+
+    async def _batch(self, obj: GenerateReqInput):
+        """A batch as ``_handle_batch_request`` serves it with pre-tokenized input: every request
+        checked (one refusal or an abort before sending fails the whole batch), then all decode
+        together and one list of the outputs comes back when all are done."""
+        assert not obj.stream, "the plugin never streams a batch"
+        n = len(obj.input_ids)
+        samplings = obj.sampling_params if isinstance(obj.sampling_params, list) else [obj.sampling_params] * n
+        if obj.rid is None:
+            rids = [f"batch{len(self.generate_calls)}-{i}" for i in range(n)]
+        else:
+            rids = [f"{obj.rid}_{i}" for i in range(n)] if isinstance(obj.rid, str) else list(obj.rid)
+        if len(samplings) != n or len(rids) != n:
+            raise ValueError("The specified rids length mismatch with the batch_size for batch processing.")
+        subs = [GenerateReqInput(ids, dict(sp), True, False, rid)
+                for ids, sp, rid in zip(obj.input_ids, samplings, rids)]
+        self.generate_calls.append(n)
+        self.requests.extend(subs)
+        self.live.update(rids)
+        try:
+            await asyncio.sleep(0)  # tokenization
+            for sub in subs:
+                if sub.rid in self.aborted:
+                    raise RequestAbortedError(f"Request {sub.rid} was aborted")
+            checked = [self._check_sampling(sub) for sub in subs]
+            yield list(await asyncio.gather(*(self._final(sub, sp) for sub, sp in zip(subs, checked))))
+        finally:
+            self.live.difference_update(rids)
+
+    async def _decode(self, obj: GenerateReqInput, sp: dict):
         stops = set(sp.get("stop_token_ids") or []) | self.model_config.hf_eos_token_id  # Req.eos_token_ids too
         if sp.get("ignore_eos"):
             stops = set()
@@ -162,10 +207,11 @@ class FakeTokenizerManager:
         finally:
             self.running -= 1
 
-    async def _final(self, obj):
+    async def _final(self, obj: GenerateReqInput, sp: dict):
         out = None
-        async for out in self.generate_request(obj):
+        async for out in self._decode(obj, sp):
             pass
+        self.live.discard(obj.rid)  # SGLang drops a batch's request state as each one finishes
         return out
 
     @staticmethod
@@ -176,7 +222,8 @@ class FakeTokenizerManager:
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.calls.append(("abort_request", rid))
-        self.aborted.add(rid)
+        if rid in self.live:  # SGLang ignores rids it does not hold (not yet sent, or finished)
+            self.aborted.add(rid)
 
     async def update_weights_from_tensor(self, obj: UpdateWeightsFromTensorReqInput, request: Any = None):
         self.calls.append(("update_weights_from_tensor", obj.flush_cache))

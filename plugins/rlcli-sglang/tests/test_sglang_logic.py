@@ -11,6 +11,7 @@ from rlcli.types import SampleParams
 from rlcli_sglang import SGLangBackend
 from rlcli_sglang.logic import (
     ENGINE,
+    batch_outputs,
     check_engine_kwargs,
     dtype_name,
     engine_kwargs,
@@ -154,6 +155,17 @@ def test_parse_output_final_and_stream_chunks():
                                                  "output_token_logprobs": [(-0.5, 5, None)]}}
     with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):
         parse_output(short)
+
+
+def test_batch_outputs_are_one_list_in_batch_order():
+    outs = [{"output_ids": [], "meta_info": {"id": rid}} for rid in ("a.0", "b.0")]
+    assert batch_outputs(outs, ["a.0", "b.0"]) == outs
+    with pytest.raises(ValueError, match="output 0 is for request 'a.0', not 'b.0'"):
+        batch_outputs(outs, ["b.0", "a.0"])
+    with pytest.raises(ValueError, match="batch of 3 requests with list of 2 outputs"):
+        batch_outputs(outs, ["a.0", "b.0", "c.0"])
+    with pytest.raises(ValueError, match="with dict of no outputs"):
+        batch_outputs(outs[0], ["a.0"])  # a single request's answer
 
 
 def test_settle_finish():
