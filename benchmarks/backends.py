@@ -150,7 +150,9 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
         from rlcli.backends.embedded import EmbeddedBackend
 
         dtype = torch.float32
-        cfg = EmbeddedBackend.Config(max_batch_size=64)
+        from rlcli.overrides import apply_overrides
+
+        cfg = EmbeddedBackend.Config(**apply_overrides({"max_batch_size": 64}, KIT_SET))
         return (lambda d: EmbeddedBackend(cfg, bc.default_context(d, device=device, dtype=dtype))), {}, dtype
     mod = importlib.import_module(PLUGIN_MODULES[engine])
     if engine == "vllm":
@@ -166,6 +168,10 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
     else:
         cls, dtype = mod.LMDeployBackend, torch.bfloat16
         settings = dict(cache_max_entry_count=0.25, max_model_len=512, max_batch_size=256)
+    if KIT_SET:  # --kit-set: on top of the settings above
+        from rlcli.overrides import apply_overrides
+
+        settings = apply_overrides(settings, KIT_SET)
     cfg = cls.Config(**settings)
     return (lambda d: cls(cfg, bc.default_context(d, device=device, dtype=dtype))), bc.engine_options(dtype), dtype
 
@@ -502,6 +508,7 @@ def sleep_releases_memory(make_backend, model_dir) -> str:
 
 
 CHECKS: list[str] = []  # --checks: the conformance checks to run; empty: all
+KIT_SET: list[str] = []  # --kit-set: KEY=VALUE settings of the kit engines' backend config
 
 
 def section_conformance(engine: str, root: Path) -> None:
@@ -611,10 +618,14 @@ def main() -> None:
                     help="after the throughput rounds, profile one plain and one bare round on the engine thread "
                          "(host-profile-<engine>-{plain,bare}.txt in --out)")
     ap.add_argument("--checks", default="", help="comma-separated conformance checks to run (default: all)")
+    ap.add_argument("--kit-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a backend setting of the conformance kit's engines, on top of the script's (repeatable; "
+                         "dotted keys, YAML values), e.g. engine_kwargs.disable_radix_cache=true")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new work after this many seconds")
     args = ap.parse_args()
     DEADLINE_S = args.deadline_s
     CHECKS[:] = [c.strip() for c in args.checks.split(",") if c.strip()]
+    KIT_SET[:] = args.kit_set
     HOST_PROFILE = (args.out or Path(".")) if args.host_profile else None
     from rlcli.testing import backend_conformance as bc
 
@@ -646,7 +657,7 @@ def main() -> None:
     env = {"date": time.strftime("%Y-%m-%d"), "engine": args.engine, "engine_version": engine_version(args.engine),
            "device": torch.cuda.get_device_name(0) if gs.DEVICE == "cuda" else "CPU (smoke test)",
            "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
-           "sections": sections}
+           "sections": sections, **({"kit_set": list(KIT_SET)} if KIT_SET else {})}
     result(what="env", **env)
     root = Path(tempfile.mkdtemp(prefix=f"backends-{args.engine}-"))
     for name, fn in (("run", section_run), ("conformance", section_conformance)):

@@ -489,3 +489,27 @@ def test_benchmark_host_profile_over_a_fake_engine(bench, tmp_path, monkeypatch)
     assert "_engine_generate" not in texts["bare"]
     with pytest.raises(bench.NotRun, match="not an engine plugin"):
         bench.host_profile("embedded", object(), [])
+
+
+def test_benchmark_kit_set_reaches_the_kit_engines_config(bench, monkeypatch):
+    """--kit-set KEY=VALUE lands in the kit engines' backend config, dotted keys into engine_kwargs,
+    on top of the script's own settings; a key the config does not know fails by name."""
+    import pydantic
+
+    mod = pytest.importorskip("rlcli_sglang")
+    seen = {}
+    real = mod.SGLangBackend.Config
+
+    def capture(**kw):
+        seen.update(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(mod.SGLangBackend, "Config", capture)
+    monkeypatch.setattr(bench, "KIT_SET", ["engine_kwargs.disable_radix_cache=true", "use_request_seeds=true"])
+    bench.conformance_setup("sglang", "cpu")
+    assert seen["use_request_seeds"] is True
+    assert seen["engine_kwargs"] == {"disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": 32,
+                                     "disable_radix_cache": True}
+    monkeypatch.setattr(bench, "KIT_SET", ["no_such_setting=1"])
+    with pytest.raises(pydantic.ValidationError, match="no_such_setting"):
+        bench.conformance_setup("sglang", "cpu")
