@@ -120,6 +120,40 @@ def test_sleep_wake_releases_cuda_memory(tmp_path):
     bc.check_logprobs_match_forward(make_cuda, a, atol=1e-3)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_graphs_survive_sleep_1_when_the_cache_returns(tmp_path):
+    """sleep(1)/wake_up() with nothing allocated in between: the KV cache comes back at its address,
+    the captured decode graphs are kept (not re-captured), and greedy outputs are unchanged."""
+    import asyncio
+
+    from rlcli.backends.base import GenerateRequest
+    from rlcli.types import SampleParams
+
+    a, _ = bc.make_tiny_model_dirs(tmp_path, arch="qwen2", seed=13)
+    be = EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=16),
+                         bc.default_context(a, device="cuda", dtype=torch.float32))
+
+    def greedy():
+        reqs = [GenerateRequest(prompt_ids=[3 + i, 5, 7], params=SampleParams(temperature=0.0, max_tokens=12,
+                                                                              ignore_eos=True)) for i in range(6)]
+        return [o.token_ids for o in asyncio.run(asyncio.wait_for(asyncio.gather(*map(be.generate, reqs)), 120))]
+
+    try:
+        before = greedy()
+        graphs = be.engine.cuda_graphs.num_graphs
+        assert graphs > 0
+        address = be.engine.cache.address
+        be.sleep(1)
+        be.wake_up()
+        assert be.engine.cache.address == address
+        assert be.engine.cuda_graphs.num_graphs == graphs  # kept
+        assert greedy() == before
+        assert be.engine.cuda_graphs.num_graphs == graphs  # replayed, none captured
+    finally:
+        be.shutdown()
+
+
 def test_reusing_backends_builds_few_and_isolates_failures(tmp_path):
     """reuse=True: consecutive checks share one backend (4 builds for the 10 checks: the model,
     the other model and the model again in weight_update, and sleep_wake's own), at most one is

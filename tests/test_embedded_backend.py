@@ -393,6 +393,52 @@ def test_sleep_holds_requests_until_wake_up(model_dir):
     be.shutdown()
 
 
+def test_sleep_1_keeps_decode_graphs_only_while_the_cache_returns_to_its_address(model_dir, monkeypatch):
+    """CUDA graphs bake the KV cache's address in: sleep(1) + wake_up keeps them when the cache
+    comes back at the same address, drops them when it does not; sleep(2) (the weights move) and a
+    second sleep always drop them. The cache is one buffer, every layer's keys and values views of it."""
+    be = make(model_dir, max_batch_size=4)
+    cache = be.engine.cache
+    assert all(t.untyped_storage().data_ptr() == cache.address for t in cache.k + cache.v)
+    resets = []
+
+    class Graphs:  # records resets (no CUDA here)
+        def reset(self):
+            resets.append(1)
+
+    be.engine.cuda_graphs = Graphs()
+    be.sleep(1)
+    assert cache.address is None
+    be.wake_up()
+    addresses = iter([111, 222])  # where the cache was, then where it comes back
+    monkeypatch.setattr(type(cache), "address", property(lambda self: None if self._buffer is None else next(addresses)))
+    resets.clear()
+    be.sleep(1)  # records 111
+    be.wake_up()  # comes back at 222: stale graphs dropped
+    assert resets == [1]
+    monkeypatch.setattr(type(cache), "address", property(lambda self: None if self._buffer is None else 7))
+    resets.clear()
+    be.sleep(1)
+    be.wake_up()  # same address: kept
+    assert resets == []
+    be.sleep(1)
+    be.sleep(1)  # asleep already: nothing to compare against, dropped at wake
+    be.wake_up()
+    assert resets == [1]
+    resets.clear()
+    be.sleep(2)
+    assert resets == [1]
+    be.wake_up()
+    resets.clear()
+    be.wake_up()  # awake already: nothing happens
+    assert resets == []
+    be.engine.cuda_graphs = None
+    # and it still generates after all that
+    out = run_all(be, [req([5, 6, 7], temperature=0.0, max_tokens=4)])[0]
+    assert len(out.token_ids) == 4
+    be.shutdown()
+
+
 def test_kv_cache_is_always_finite(model_dir):
     # masked attention still multiplies unwritten positions by 0, so they must never hold NaN
     be = make(model_dir, max_batch_size=8)

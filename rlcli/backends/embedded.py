@@ -35,8 +35,9 @@ recomputes.
 
 CPU vs GPU: everything here runs on both; nothing is CPU-only. On CUDA with ``cuda_graphs:
 true`` the decode forward runs on bucketed shapes (rows padded to 1, 2, 4, ..., 32 then
-multiples of 32; key length padded to a power of two) and each shape's forward is captured
-once into a CUDA graph (:class:`CudaGraphDecoder`) and replayed afterwards. Prefill and
+multiples of 32; key length padded to a multiple of 128, 512 past 1024, a power of two past
+4096) and each shape's forward is captured once into a CUDA graph (:class:`CudaGraphDecoder`) and
+replayed afterwards; ``sleep(1)`` keeps the graphs when the KV cache comes back at the same address. Prefill and
 sampling run eagerly (outside graphs, cuDNN attention is avoided: it plans per shape). The cache is a dense per-row tensor (no paging), sized
 ``max_batch_size x max_model_len``.
 """
@@ -501,6 +502,7 @@ class KVCache:
         self.n_layers, self.dtype, self.device = n_layers, dtype, torch.device(device)
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self._buffer: torch.Tensor | None = None
         self.allocate()
 
     @property
@@ -511,13 +513,19 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    @property
+    def address(self) -> int | None:
+        """Device address of the cache (one buffer holds every layer's keys and values), or None when freed."""
+        return None if self._buffer is None else self._buffer.data_ptr()
+
     def allocate(self) -> None:
         if not self.k:
-            self.k = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
-            self.v = [torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(self.n_layers)]
+            self._buffer = torch.zeros((2, self.n_layers, *self.shape), dtype=self.dtype, device=self.device)
+            self.k = list(self._buffer[0].unbind(0))
+            self.v = list(self._buffer[1].unbind(0))
 
     def free(self) -> None:
-        self.k, self.v = [], []
+        self.k, self.v, self._buffer = [], [], None
 
     def write_prefill(self, layer: int, dest_rows, src_index, k: torch.Tensor, v: torch.Tensor) -> None:
         length = k.shape[2]
@@ -1135,6 +1143,9 @@ class EmbeddedEngine:
 # ------------------------------------------------------------------------------------------
 # Backend component
 # ------------------------------------------------------------------------------------------
+_STEPS_SLICE_S = 0.02  # the longest run of engine steps between two visits to the event loop
+
+
 def _release_cuda_workspaces() -> None:
     """Return cached CUDA memory to the driver, including cuBLAS workspaces (re-created on the
     next matrix product), so a colocated trainer can use it."""
@@ -1205,6 +1216,7 @@ class EmbeddedBackend(InferenceBackend):
         super().__init__(config, ctx)
         cfg = self.config
         self._device = torch.device(ctx.device)
+        self._graphs_cache_address: int | None = None  # the KV cache's address when sleep(1) kept the graphs
         hf_model = self._load_model(ctx)
         self._model = LlamaFamilyModel(hf_model)
         max_len = cfg.max_model_len or min(self._model.max_position_embeddings, 4096)
@@ -1319,12 +1331,26 @@ class EmbeddedBackend(InferenceBackend):
         loop = asyncio.get_running_loop()
         while not self._closed and self._engine.has_work() and (not self._asleep or self._paused):
             try:
-                done = await loop.run_in_executor(self._executor, self._locked_step)
+                done = await loop.run_in_executor(self._executor, self._locked_steps)
             except Exception as exc:  # never let a failed step strand the callers
                 log.exception("embedded engine step failed")
                 with self._lock:
                     done = self._engine.fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
             self._deliver(done)
+
+    def _locked_steps(self) -> list[tuple[Sequence, GenerateOutput]]:
+        """Engine steps back to back (in the worker thread) until a sequence finishes, the work
+        runs out, the backend is paused, asleep or closed, or ``_STEPS_SLICE_S`` has passed. Each
+        round trip between the event loop and the worker thread costs a few hundred microseconds
+        with the GPU idle, so one per decode step would add up; requests submitted meanwhile are
+        admitted by the next step, and each step takes the lock on its own, so ``sleep`` or
+        ``update_weights`` wait for at most one step plus the slice."""
+        deadline = time.perf_counter() + _STEPS_SLICE_S
+        while True:
+            done = self._locked_step()
+            if (done or self._closed or self._paused or self._asleep or not self._engine.has_work()
+                    or time.perf_counter() >= deadline):
+                return done
 
     def _locked_step(self) -> list[tuple[Sequence, GenerateOutput]]:
         with self._lock:
@@ -1392,13 +1418,17 @@ class EmbeddedBackend(InferenceBackend):
         """Release device memory: the KV cache (level 1) and also the weights (level 2, moved to
         CPU memory). Requests still in flight are aborted; requests made while asleep wait for
         :meth:`wake_up`. On CPU the weights stay where they are. Level 1 leaves the freed memory
-        in PyTorch's caching allocator, where a trainer in the same process reuses it at no cost;
-        level 2 also returns cached memory to the driver (for other processes)."""
+        in PyTorch's caching allocator, where a trainer in the same process reuses it at no cost,
+        and keeps the captured decode graphs (their memory pool stays allocated);
+        level 2 also drops the graphs and returns cached memory to the driver (for other processes)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         with self._lock:
             done = self._engine.abort_all()
-            self._engine.reset_cuda_graphs()
+            if level == 2:  # the weights move: every captured graph is stale
+                self._engine.reset_cuda_graphs()
+            else:  # kept while the cache comes back at the same address (see wake_up)
+                self._graphs_cache_address = self._engine.cache.address
             self._engine.cache.free()
             if level == 2 and self._device.type == "cuda":
                 self._model.hf.to("cpu")
@@ -1416,6 +1446,13 @@ class EmbeddedBackend(InferenceBackend):
                 self._model.hf.to(self._device)
             with torch.inference_mode():
                 self._engine.cache.allocate()
+            # The decode graphs hold the cache's address: they stay valid if the cache came back
+            # there (PyTorch's allocator hands out the same block when what a colocated trainer
+            # allocated meanwhile has been freed; not guaranteed, hence the check), which saves
+            # re-capturing every graph in every rollout.
+            if self._asleep and self._engine.cache.address != self._graphs_cache_address:
+                self._engine.reset_cuda_graphs()
+            self._graphs_cache_address = None
             self._asleep = 0
         self._kick()
 
