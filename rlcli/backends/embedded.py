@@ -785,6 +785,8 @@ class EmbeddedEngine:
                 f"the prompt must leave room for at least one generated token"
             )
         vocab = self.model.vocab_size
+        if set(map(type, prompt)) <= {int} and 0 <= min(prompt) and max(prompt) < vocab:
+            return None  # the common case, without a Python-level loop per token
         bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= int(t) < vocab]
         if bad:
             return f"prompt token ids out of range [0, {vocab}): {bad[:8]}"
@@ -797,7 +799,7 @@ class EmbeddedEngine:
         for t in ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids):
             if int(t) not in stop_ids:
                 stop_ids.append(int(t))
-        prompt = [int(t) for t in request.prompt_ids]
+        prompt = list(map(int, request.prompt_ids))
         k1, k2 = seed_keys(int(request.seed) if request.seed is not None else int(seed))
         max_new = min(p.max_tokens, self.max_model_len - len(prompt))
         return Sequence(request, prompt, p, k1, k2, stop_ids, max_new)
