@@ -142,6 +142,13 @@ def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
     }[engine]
 
 
+def kit_settings(settings: dict) -> dict:
+    """The kit engines' backend settings with ``--kit-set`` applied on top."""
+    from rlcli.overrides import apply_overrides
+
+    return apply_overrides(settings, KIT_SET)
+
+
 def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.dtype]:
     """``(make_backend, kit options, dtype)`` for the tiny conformance models."""
     from rlcli.testing import backend_conformance as bc
@@ -150,9 +157,7 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
         from rlcli.backends.embedded import EmbeddedBackend
 
         dtype = torch.float32
-        from rlcli.overrides import apply_overrides
-
-        cfg = EmbeddedBackend.Config(**apply_overrides({"max_batch_size": 64}, KIT_SET))
+        cfg = EmbeddedBackend.Config(**kit_settings({"max_batch_size": 64}))
         return (lambda d: EmbeddedBackend(cfg, bc.default_context(d, device=device, dtype=dtype))), {}, dtype
     mod = importlib.import_module(PLUGIN_MODULES[engine])
     if engine == "vllm":
@@ -168,11 +173,7 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
     else:
         cls, dtype = mod.LMDeployBackend, torch.bfloat16
         settings = dict(cache_max_entry_count=0.25, max_model_len=512, max_batch_size=256)
-    if KIT_SET:  # --kit-set: on top of the settings above
-        from rlcli.overrides import apply_overrides
-
-        settings = apply_overrides(settings, KIT_SET)
-    cfg = cls.Config(**settings)
+    cfg = cls.Config(**kit_settings(settings))
     return (lambda d: cls(cfg, bc.default_context(d, device=device, dtype=dtype))), bc.engine_options(dtype), dtype
 
 

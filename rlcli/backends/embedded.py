@@ -507,7 +507,7 @@ class KVCache:
 
     @property
     def allocated(self) -> bool:
-        return bool(self.k)
+        return self._buffer is not None
 
     @property
     def nbytes(self) -> int:
@@ -519,7 +519,7 @@ class KVCache:
         return None if self._buffer is None else self._buffer.data_ptr()
 
     def allocate(self) -> None:
-        if not self.k:
+        if self._buffer is None:
             self._buffer = torch.zeros((2, self.n_layers, *self.shape), dtype=self.dtype, device=self.device)
             self.k = list(self._buffer[0].unbind(0))
             self.v = list(self._buffer[1].unbind(0))

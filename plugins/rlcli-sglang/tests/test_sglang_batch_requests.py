@@ -124,14 +124,20 @@ def test_pause_during_a_batch_returns_partial_responses(backend):
     assert run_all(backend, [([1, 2], dict(max_tokens=3, ignore_eos=True))] * 2)[0].finish_reason == "length"
 
 
-def test_a_cancelled_caller_aborts_its_request_alone(backend):
+def cancel_the_first_of_four(be, first: int, max_tokens: int, after_s: float) -> list:
+    """Four concurrent requests ``[first, i]``; the first one's caller is cancelled after ``after_s``."""
+
     async def main():
-        tasks = [asyncio.ensure_future(gen(backend, [6, i], max_tokens=60, ignore_eos=True)) for i in range(4)]
-        await asyncio.sleep(0.05)
+        tasks = [asyncio.ensure_future(gen(be, [first, i], max_tokens=max_tokens, ignore_eos=True)) for i in range(4)]
+        await asyncio.sleep(after_s)
         tasks[0].cancel()
         return await asyncio.gather(*tasks, return_exceptions=True)
 
-    outs = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_cancelled_caller_aborts_its_request_alone(backend):
+    outs = cancel_the_first_of_four(backend, 6, max_tokens=60, after_s=0.05)
     assert isinstance(outs[0], asyncio.CancelledError)
     assert backend.tm.generate_calls == [4] and ("abort_request", backend.tm.requests[0].rid) in backend.tm.calls
     assert [o.token_ids for o in outs[1:]] == [expected(backend, [6, i], 60) for i in range(1, 4)]
@@ -152,14 +158,7 @@ def test_a_request_cancelled_while_sglang_takes_the_batch_in_ends_the_batch(back
                 yield out
 
     tm.generate_request = slow_tokenization
-
-    async def main():
-        tasks = [asyncio.ensure_future(gen(backend, [7, i], max_tokens=5, ignore_eos=True)) for i in range(4)]
-        await asyncio.sleep(0.15)
-        tasks[0].cancel()
-        return await asyncio.gather(*tasks, return_exceptions=True)
-
-    outs = asyncio.run(main())
+    outs = cancel_the_first_of_four(backend, 7, max_tokens=5, after_s=0.15)
     assert isinstance(outs[0], asyncio.CancelledError)
     assert tm.generate_calls == [4, None, None, None]
     assert [o.token_ids for o in outs[1:]] == [expected(backend, [7, i], 5) for i in range(1, 4)]
