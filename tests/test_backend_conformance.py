@@ -137,7 +137,11 @@ def test_decode_graphs_survive_sleep_1_when_the_cache_returns(tmp_path):
     def greedy():
         reqs = [GenerateRequest(prompt_ids=[3 + i, 5, 7], params=SampleParams(temperature=0.0, max_tokens=12,
                                                                               ignore_eos=True)) for i in range(6)]
-        return [o.token_ids for o in asyncio.run(asyncio.wait_for(asyncio.gather(*map(be.generate, reqs)), 120))]
+
+        async def run():
+            return await asyncio.wait_for(asyncio.gather(*map(be.generate, reqs)), 120)
+
+        return [o.token_ids for o in asyncio.run(run())]
 
     try:
         before = greedy()
