@@ -31,6 +31,24 @@ def test_weight_update(dirs):
     bc.check_weight_update(make_backend, dirs[0], dirs[1])
 
 
+@pytest.fixture(scope="module")
+def qwen2_dirs(tmp_path_factory):
+    return bc.make_tiny_model_dirs(tmp_path_factory.mktemp("overlap"), arch="qwen2", seed=17)
+
+
+@pytest.mark.parametrize("name", ["stop_and_length", "min_tokens", "pause_returns_partial_and_continue",
+                                  "many_concurrent"])
+def test_overlapped_decode_passes_the_kit(qwen2_dirs, name):
+    """The engine's overlapped decode (on by default on CUDA only) forced on: the kit's checks of
+    stops, lengths, min_tokens, pause/continue and many concurrent requests still pass."""
+    def make_overlapped(model_dir):
+        be = make_backend(model_dir)
+        be.engine.overlap = True
+        return be
+
+    bc.ALL_CHECKS[name](make_overlapped, qwen2_dirs[0])
+
+
 def test_run_all_runs_every_check(tmp_path):
     a, b = bc.make_tiny_model_dirs(tmp_path, arch="llama", seed=11)
     options = {"greedy_matches_reference": {"max_tokens": 8}}

@@ -219,6 +219,63 @@ def test_shape_stable_decode_gives_identical_results(model_dir):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+def _stopping_requests(be, rng, n):
+    """Requests that end on a stop token early (the token their greedy or seeded continuation
+    reaches first at a random step), mixed with min_tokens, top-k and plain ones."""
+    base = [req(p, seed=i, temperature=rng.choice([0.0, 0.9]), max_tokens=rng.randint(2, 30), ignore_eos=True)
+            for i, p in enumerate(prompts(n, rng))]
+    full = run_all(be, base)
+    out = []
+    for i, (r, o) in enumerate(zip(base, full)):
+        p = r.params
+        stop = [o.token_ids[rng.randrange(len(o.token_ids))]] if i % 3 else []
+        out.append(req(r.prompt_ids, seed=r.seed, temperature=p.temperature, max_tokens=p.max_tokens,
+                       stop_token_ids=stop, min_tokens=2 if i % 5 == 0 else 0, top_k=5 if i % 7 == 0 else 0))
+    return out
+
+
+def test_overlapped_decode_gives_the_synchronous_results(model_dir):
+    """Reading a step's stop flags one step late (the GPU overlap) changes no token, logprob or
+    finish reason, with rows stopping at every step and being refilled."""
+    be = make(model_dir, max_batch_size=8, max_prefill_tokens=24)
+    requests = _stopping_requests(be, random.Random(11), 40)
+    outs = []
+    for overlap in (False, True):
+        be.engine.overlap = overlap
+        outs.append(run_all(be, requests))
+        assert be.engine.num_active == 0
+    be.shutdown()
+    assert sum(o.finish_reason == "stop" for o in outs[0]) >= 15
+    for r, a, b in zip(requests, *outs):
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason), f"request {r.prompt_ids}"
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        assert len(b.token_ids) == len(b.logprobs) == len(b.versions)
+
+
+def test_abort_after_an_unread_stop_reports_the_stop(model_dir):
+    """With overlap, a row that sampled its stop token in the last step is finished by the next
+    step; aborting before that step reports it as stopped, with its tokens up to the stop."""
+    be = make(model_dir, max_batch_size=4)
+    tokens = run_all(be, [req([5, 9, 7], temperature=0.0, max_tokens=8, ignore_eos=True)])[0].token_ids
+    k = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+    engine = be.engine
+    assert not engine.overlap  # off on CPU by default
+    engine.overlap = True
+    stop_at = engine.make_sequence(req([5, 9, 7], temperature=0.0, max_tokens=8, stop_token_ids=[tokens[k]]), 0)
+    other = engine.make_sequence(req([6, 6], temperature=0.0, max_tokens=8, ignore_eos=True), 0)
+    engine.submit(stop_at)
+    engine.submit(other)
+    finished = []
+    for _ in range(k):  # step 1 prefills (token 0) and decodes token 1; step k decodes token k, its flag unread
+        finished += engine.step()
+    assert finished == [] and engine.num_active == 2
+    done = dict((id(s), o) for s, o in engine.abort_all())
+    assert done[id(stop_at)].finish_reason == "stop"
+    assert done[id(stop_at)].token_ids == tokens[: k + 1]
+    assert done[id(other)].finish_reason == "abort" and len(done[id(other)].token_ids) == k + 1
+    be.shutdown()
+
+
 def test_decode_shape_buckets(model_dir):
     eng = make(model_dir, max_batch_size=100, max_model_len=300).engine
     assert eng.cuda_graphs is None  # CPU: no graphs, exact shapes

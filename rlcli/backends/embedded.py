@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest, InferenceBackend
+from rlcli.backends.decode_attention import decode_attention_op, triton_decode_attention_available
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
 
@@ -286,6 +287,7 @@ class LlamaFamilyModel:
         self.vocab_size = int(self.lm_head.out_features)
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
         self._layer_fn = self._decode_layer  # torch.compile'd by compile_decode()
+        self.triton_attention = False  # decode attention through the Triton kernel (use_triton_attention)
         self.layers: list[_Layer] = []
         for layer in base.layers:
             attn = layer.self_attn
@@ -436,6 +438,15 @@ class LlamaFamilyModel:
                 self._layer_fn = self._decode_layer
                 return self._decode(tokens, positions, cache, key_len)
 
+    def use_triton_attention(self) -> None:
+        """Decode attention through :mod:`rlcli.backends.decode_attention` (reads each row's keys
+        and values once per query-head group and only up to its position) instead of SDPA over
+        the padded key bucket with a mask. Needs a CUDA device (or Triton's CPU interpreter) and
+        a KV cache in the model dtype."""
+        if not triton_decode_attention_available(self.device):
+            raise ValueError("Triton decode attention needs the triton package and a CUDA device")
+        self.triton_attention = True
+
     def compile_decode(self) -> None:
         """Run each decoder layer of :meth:`decode` through ``torch.compile``, which fuses its norms,
         rotary embedding, cache write, residual adds and activation into a few kernels. One
@@ -448,36 +459,45 @@ class LlamaFamilyModel:
         h = self.embed(tokens)  # [n, D]
         cos, sin = self.rotary(h, positions.unsqueeze(1))  # [n, 1, hd]
         key_pos = torch.arange(key_len, device=tokens.device)
+        rows = torch.arange(n, device=tokens.device)
+        if self.triton_attention:  # the kernel masks by position itself
+            for i, layer in enumerate(self.layers):
+                h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos, None)
+            return self.lm_head(self.final_norm(h))
         visible = key_pos[None, :] <= positions[:, None]  # [n, L]
         masks: dict[int | None, torch.Tensor] = {None: visible.view(n, 1, 1, key_len)}
-        rows = torch.arange(n, device=tokens.device)
         for i, layer in enumerate(self.layers):
             mask = masks.get(layer.window)
             if mask is None:
                 win = visible & (key_pos[None, :] > positions[:, None] - layer.window)
                 mask = masks[layer.window] = win.view(n, 1, 1, key_len)
-            h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, mask)
+            h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos, mask)
         return self.lm_head(self.final_norm(h))
 
     def _decode_layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                      mask: torch.Tensor) -> torch.Tensor:
+                      key_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """One decoder layer for one new token per row: writes its key/value into the cache at
-        ``positions`` and attends to the cache's first ``mask.shape[-1]`` positions."""
+        ``positions`` and attends to the cache's first ``len(key_pos)`` positions, through SDPA
+        with ``mask`` or, when ``mask`` is None, through the Triton kernel."""
         n = h.shape[0]
         hd, kvh = self.head_dim, self.num_kv_heads
         group = self.num_heads // kvh
-        key_len = mask.shape[-1]
+        key_len = key_pos.shape[0]
         x = layer.input_norm(h)
         q, k, v = self._qkv(layer, x, (n,))
         q = _rope(q, cos, sin)  # [n, H, hd]
         k = _rope(k, cos, sin)  # [n, KVH, hd]
         k_cache[rows, :, positions] = k.to(k_cache.dtype)
         v_cache[rows, :, positions] = v.to(v_cache.dtype)
-        keys, values = k_cache[:n, :, :key_len], v_cache[:n, :, :key_len]
-        if keys.dtype != q.dtype:
-            keys, values = keys.to(q.dtype), values.to(q.dtype)
-        attn = F.scaled_dot_product_attention(q.view(n, kvh, group, hd), keys, values, attn_mask=mask, scale=layer.scale)
+        if mask is None:
+            attn = decode_attention_op(q, k_cache, v_cache, positions, key_len, layer.scale, layer.window or 0)
+        else:
+            keys, values = k_cache[:n, :, :key_len], v_cache[:n, :, :key_len]
+            if keys.dtype != q.dtype:
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            attn = F.scaled_dot_product_attention(q.view(n, kvh, group, hd), keys, values, attn_mask=mask,
+                                                  scale=layer.scale)
         h = h + layer.o_proj(attn.reshape(n, self.num_heads * hd))
         return h + layer.mlp(layer.post_norm(h))
 
@@ -669,6 +689,7 @@ class EmbeddedEngine:
         pad_token_id: int | None = None,
         version: int = 0,
         shape_stable_decode: bool = False,
+        overlap: bool | None = None,
     ):
         self.model = model
         self.device = model.device
@@ -678,6 +699,9 @@ class EmbeddedEngine:
         self.prefix_sharing = bool(prefix_sharing)
         self.eos_token_ids = [int(e) for e in eos_token_ids]
         self.shape_stable_decode = bool(shape_stable_decode)
+        # CPU ops run synchronously, so there is nothing to overlap there, and the extra decode
+        # step of a row that stopped would only cost time (much of it with short responses)
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
         self.cuda_graphs: CudaGraphDecoder | None = None
         vocab = model.vocab_size
         self.pad_token_id = pad_token_id if pad_token_id is not None and 0 <= pad_token_id < vocab else 0
@@ -711,6 +735,15 @@ class EmbeddedEngine:
         self._h_temp = np.ones(n, dtype=np.float64)  # effective temperature (1.0 for greedy)
         self._h_greedy = np.zeros(n, dtype=bool)
         self._h_has_stop = np.zeros(n, dtype=bool)
+        # Overlapped decode (``overlap``): a decode step's "sampled a stop token" flags are copied
+        # to the host asynchronously and read only after the next step has been launched, so the
+        # GPU never waits for the host between steps. _h_flag_src[r] is where row r's unread flag
+        # is in the pending host buffer (-1: none); it moves with the row when rows are compacted.
+        self._h_flag_src = np.full(n, -1, dtype=np.int64)
+        pin = dev.type == "cuda"
+        self._flag_bufs = [torch.zeros(n, dtype=torch.bool, pin_memory=pin) for _ in range(2)]
+        self._flag_events = [torch.cuda.Event() if pin else None for _ in range(2)]
+        self._flag_pending = 0  # index of the buffer that _h_flag_src refers to
         self._rows: list[Sequence | None] = [None] * n
         self._active = 0  # rows 0.._active-1 hold running sequences
         self._waiting: deque[Sequence] = deque()
@@ -818,7 +851,9 @@ class EmbeddedEngine:
     def step(self) -> list[tuple[Sequence, GenerateOutput]]:
         """Admit + prefill waiting requests, then decode one token for every active row.
 
-        Returns the sequences that finished during the step with their outputs.
+        Returns the sequences that finished during the step with their outputs. With ``overlap``
+        a sequence whose decode step sampled a stop token is returned by the next step (or by
+        :meth:`abort_all`), with exactly the tokens up to that stop token.
         """
         t0 = time.perf_counter()
         self.cache.allocate()
@@ -841,6 +876,7 @@ class EmbeddedEngine:
         """Finish every running sequence with ``reason`` (keeping its tokens so far) and every
         waiting one with no tokens."""
         done: list[tuple[Sequence, GenerateOutput]] = []
+        self._finish_pending_stops(done)  # sequences that already ended with a stop token end as such
         if self._active:
             done += self._finish(np.arange(self._active), reason=reason, error=error)
         with self._qlock:
@@ -861,6 +897,7 @@ class EmbeddedEngine:
             s.row = None
         self._rows = [None] * self.max_batch_size
         self._active = 0
+        self._h_flag_src[:] = -1
         self._cancelled.clear()
         return done
 
@@ -921,6 +958,7 @@ class EmbeddedEngine:
         self._h_temp[sl] = [s.params.temperature or 1.0 for s in seqs]
         self._h_greedy[sl] = [s.params.temperature == 0.0 for s in seqs]
         self._h_has_stop[sl] = [bool(s.stop_ids) for s in seqs]
+        self._h_flag_src[sl] = -1
         self._active = b0 + n
 
         # prefix sharing: one prefill per distinct prompt among the admitted requests
@@ -957,7 +995,7 @@ class EmbeddedEngine:
             self._stats["shared_prefill_tokens"] += sum(len(s.prompt) for s in seqs) - computed
         rows_np = np.arange(b0, b0 + n)
         stop = self._sample_and_record(logits_rows, self._arange[b0 : b0 + n], rows_np)
-        self._finish_where_done(rows_np, stop, done)
+        self._finish_where_done(rows_np, stop.cpu().numpy(), done)
         return n
 
     # -------------------------------------------------------------------------- decode
@@ -1009,8 +1047,52 @@ class EmbeddedEngine:
         self._h_ctx[:b] += 1
         rows_np = np.arange(b)
         stop = self._sample_and_record(logits, self._arange[:b], rows_np)
-        self._finish_where_done(rows_np, stop, done)
-        return b
+        if not self.overlap:
+            self._finish_where_done(rows_np, stop.cpu().numpy(), done)
+            return b
+        # Issue this step's flags, then read the previous step's (by now computed, or nearly):
+        # the GPU already has this step queued while the host finishes rows and prepares the
+        # next one. A row that sampled a stop token in the previous step has been decoded once
+        # more in this one; that token is dropped (its length goes back by one).
+        previous = self._h_flag_src[:b].copy()
+        self._h_flag_src[:b] = rows_np
+        old = self._issue_flags(stop)
+        stopped = self._read_flags(old, previous)
+        extra = int(stopped.sum())
+        self._h_gen[:b] -= stopped
+        self._finish_where_done(rows_np, stopped, done)
+        return b - extra
+
+    def _issue_flags(self, stop: torch.Tensor) -> int:
+        """Start copying ``stop`` (device bools, rows ``0..len-1``) into the free host buffer, make
+        it the pending one, and return the index of the buffer pending before."""
+        old, new = self._flag_pending, 1 - self._flag_pending
+        self._flag_bufs[new][: stop.shape[0]].copy_(stop, non_blocking=True)
+        if self._flag_events[new] is not None:
+            self._flag_events[new].record()
+        self._flag_pending = new
+        return old
+
+    def _read_flags(self, buf: int, src: np.ndarray) -> np.ndarray:
+        """Host bools: the flag at ``src[i]`` of buffer ``buf`` (False where ``src[i] < 0``)."""
+        out = np.zeros(len(src), dtype=bool)
+        have = src >= 0
+        if have.any():
+            if self._flag_events[buf] is not None:
+                self._flag_events[buf].synchronize()
+            out[have] = self._flag_bufs[buf].numpy()[src[have]]
+        return out
+
+    def _finish_pending_stops(self, done: list) -> None:
+        """Finish the rows whose last decode step sampled a stop token not read yet (before
+        anything else ends the running rows)."""
+        b = self._active
+        if b == 0:
+            return
+        stopped = self._read_flags(self._flag_pending, self._h_flag_src[:b])
+        self._h_flag_src[:b] = -1
+        if stopped.any():
+            done += self._finish(np.arange(b)[stopped])
 
     # -------------------------------------------------------------------------- sampling
     def _sample_general(self, logits, ints, floats, unit_temp, stop_tab, has_stop, suppress_np, greedy_np,
@@ -1042,10 +1124,10 @@ class EmbeddedEngine:
                 tok = torch.where(ints[:, _GREEDY] == 1, choice.argmax(dim=-1), tok)
         return tok, scaled.gather(1, tok[:, None]).squeeze(1) - lse
 
-    def _sample_and_record(self, logits: torch.Tensor, rows: torch.Tensor, rows_np: np.ndarray) -> np.ndarray:
+    def _sample_and_record(self, logits: torch.Tensor, rows: torch.Tensor, rows_np: np.ndarray) -> torch.Tensor:
         """Choose the next token of ``rows`` from ``logits``, append it (with its logprob and the
-        current version) to the rows' output buffers, and return host booleans "is a stop
-        token". The only device-to-host transfer of a step."""
+        current version) to the rows' output buffers, and return "is a stop token" as device
+        booleans (nothing here waits for the device)."""
         ints = self._ints[rows]
         floats = self._floats[rows]
         unit_temp = bool(np.all(self._h_temp[rows_np] == 1.0))
@@ -1071,8 +1153,7 @@ class EmbeddedEngine:
         self._ints[rows, _GEN] = gen + 1
         self._ints[rows, _TOK] = tok
         self._h_gen[rows_np] += 1
-        is_stop = has_stop & (tok[:, None] == stop_tab).any(dim=-1)
-        return is_stop.cpu().numpy()
+        return has_stop & (tok[:, None] == stop_tab).any(dim=-1)
 
     # -------------------------------------------------------------------------- finishing
     def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list) -> None:
@@ -1130,7 +1211,7 @@ class EmbeddedEngine:
                     t[dst, :g] = t[src, :g]
             for a in (
                 self._h_ctx, self._h_gen, self._h_max_new, self._h_min_new,
-                self._h_top_k, self._h_top_p, self._h_temp, self._h_greedy, self._h_has_stop,
+                self._h_top_k, self._h_top_p, self._h_temp, self._h_greedy, self._h_has_stop, self._h_flag_src,
             ):  # fmt: skip
                 a[dst_np] = a[src_np]
             for h, m in zip(holes, movers):
@@ -1207,6 +1288,13 @@ class EmbeddedBackend(InferenceBackend):
         kv_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
             "auto", description="KV-cache dtype; auto = the model dtype."
         )
+        attention: Literal["auto", "sdpa", "triton"] = Field(
+            "auto",
+            description="Decode attention: 'triton' = rlcli's Triton kernel (each row reads its own keys once per "
+            "query-head group; needs CUDA, the triton package and a KV cache in the model dtype), 'sdpa' = PyTorch "
+            "scaled_dot_product_attention with a mask over the padded key length, 'auto' = triton where it can run, "
+            "else sdpa.",
+        )
         compile: bool | None = Field(
             None,
             description="torch.compile each decoder layer's decode step and the sampler (fuses their small "
@@ -1240,6 +1328,15 @@ class EmbeddedBackend(InferenceBackend):
             version=ctx.version,
             shape_stable_decode=cfg.cuda_graphs and self._device.type == "cuda",
         )
+        kv_matches = kv_dtype is None or kv_dtype == self._model.dtype
+        if cfg.attention == "triton" or (
+            cfg.attention == "auto" and self._device.type == "cuda" and kv_matches
+            and triton_decode_attention_available(self._device)
+        ):
+            if not kv_matches:
+                raise ValueError(f"attention 'triton' needs kv_cache_dtype 'auto' or the model dtype "
+                                 f"({self._model.dtype}), got {cfg.kv_cache_dtype!r}")
+            self._model.use_triton_attention()
         if cfg.compile if cfg.compile is not None else self._device.type == "cuda":
             self._model.compile_decode()
             self._engine.compile_sampler()
