@@ -393,7 +393,11 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
            rollout_peak_gib=max((r.get("memory/rollout_peak_gib", 0.0) for r in measured), default=None)
            if DEVICE == "cuda" else None,
            train_peak_gib=max((r.get("memory/train_peak_gib", 0.0) for r in measured), default=None)
-           if DEVICE == "cuda" else None)
+           if DEVICE == "cuda" else None,
+           # every step, warm-up and profiled ones included, so that an outlier can be placed
+           per_step=[{"step": i, "step_s": round(r["timing/step_s"], 3), "rollout_s": round(r["timing/rollout_s"], 3),
+                      "train_s": round(r["timing/train_s"], 3), "sync_s": round(r["timing/sync_s"], 4),
+                      "measured": any(r is m for m in measured)} for i, r in enumerate(rows, 1)])
 
 
 def trl_steps(model_dir: Path, steps: int) -> None:
