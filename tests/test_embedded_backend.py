@@ -18,6 +18,7 @@ from rlcli.backends.embedded import (
     counter_uniform,
     filter_top_k_top_p,
     sample_plain,
+    sample_plain_keyed,
     seed_keys,
 )
 from rlcli.testing.backend_conformance import default_context, make_tiny_model_dirs, reference_logprobs
@@ -588,7 +589,7 @@ def test_compiled_decode_and_sampler_match_eager(model_dir):
     be = make(model_dir, compile=True)
     got = _plain_and_mixed(be)
     assert be._model._layer_fn != be._model._decode_layer  # still compiled: no fallback happened
-    assert be.engine._sample_plain is not sample_plain
+    assert be.engine._sample_plain is not sample_plain_keyed
     for a, b in zip(eager, got):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
@@ -607,7 +608,7 @@ def test_failed_compilation_falls_back_to_eager(model_dir, monkeypatch, caplog):
         got = _plain_and_mixed(be)
     assert [o.token_ids for o in got] == [o.token_ids for o in eager]
     assert be._model._layer_fn == be._model._decode_layer
-    assert be.engine._sample_plain is sample_plain
+    assert be.engine._sample_plain is sample_plain_keyed
     assert "decoding eagerly" in caplog.text and "sampling eagerly" in caplog.text
 
 

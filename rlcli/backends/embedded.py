@@ -217,6 +217,16 @@ def sample_plain(
     return tok, logprob.squeeze(1)
 
 
+def sample_plain_keyed(
+    logits: torch.Tensor, temperature: torch.Tensor | None, key1: torch.Tensor, key2: torch.Tensor,
+    position: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_plain` at ``counter_uniform(key1, key2, position)``: one function, so that
+    ``torch.compile`` also fuses the hash's two dozen integer operations (one kernel launch
+    each when eager) into its kernels."""
+    return sample_plain(logits, temperature, counter_uniform(key1, key2, position))
+
+
 # ------------------------------------------------------------------------------------------
 # Model
 # ------------------------------------------------------------------------------------------
@@ -722,7 +732,6 @@ class EmbeddedEngine:
             self._out_tok = torch.zeros(n, self.max_model_len, dtype=torch.int64, device=dev)
             self._out_lp = torch.zeros(n, self.max_model_len, dtype=torch.float32, device=dev)
             self._out_ver = torch.zeros(n, self.max_model_len, dtype=torch.int64, device=dev)
-            self._arange = torch.arange(n, device=dev)
             self._version_t = torch.tensor(int(version), dtype=torch.int64, device=dev)
         self._version = int(version)
         # host mirrors of per-row state (numpy, vectorised; no per-token Python loops)
@@ -754,20 +763,20 @@ class EmbeddedEngine:
         self._done: list[tuple[Sequence, GenerateOutput]] = []
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size)
-        self._sample_plain = sample_plain
+        self._sample_plain = sample_plain_keyed
 
     def compile_sampler(self) -> None:
         """Run the plain-sampling path through ``torch.compile`` (fused passes over the logits);
         a failed compilation falls back to eager PyTorch for good."""
-        compiled = torch.compile(sample_plain, dynamic=True)
+        compiled = torch.compile(sample_plain_keyed, dynamic=True)
 
         def sample(*args):
             try:
                 return compiled(*args)
             except Exception:
                 log.warning("torch.compile of the sampler failed; sampling eagerly from now on", exc_info=True)
-                self._sample_plain = sample_plain
-                return sample_plain(*args)
+                self._sample_plain = sample_plain_keyed
+                return sample_plain_keyed(*args)
 
         self._sample_plain = sample
 
@@ -994,7 +1003,7 @@ class EmbeddedEngine:
             self._stats["prefill_tokens"] += computed
             self._stats["shared_prefill_tokens"] += sum(len(s.prompt) for s in seqs) - computed
         rows_np = np.arange(b0, b0 + n)
-        stop = self._sample_and_record(logits_rows, self._arange[b0 : b0 + n], rows_np)
+        stop = self._sample_and_record(logits_rows, b0, b0 + n)
         self._finish_where_done(rows_np, stop.cpu().numpy(), done)
         return n
 
@@ -1046,7 +1055,7 @@ class EmbeddedEngine:
         self._ints[:b, _CTX] += 1
         self._h_ctx[:b] += 1
         rows_np = np.arange(b)
-        stop = self._sample_and_record(logits, self._arange[:b], rows_np)
+        stop = self._sample_and_record(logits, 0, b)
         if not self.overlap:
             self._finish_where_done(rows_np, stop.cpu().numpy(), done)
             return b
@@ -1124,35 +1133,34 @@ class EmbeddedEngine:
                 tok = torch.where(ints[:, _GREEDY] == 1, choice.argmax(dim=-1), tok)
         return tok, scaled.gather(1, tok[:, None]).squeeze(1) - lse
 
-    def _sample_and_record(self, logits: torch.Tensor, rows: torch.Tensor, rows_np: np.ndarray) -> torch.Tensor:
-        """Choose the next token of ``rows`` from ``logits``, append it (with its logprob and the
-        current version) to the rows' output buffers, and return "is a stop token" as device
-        booleans (nothing here waits for the device)."""
-        ints = self._ints[rows]
-        floats = self._floats[rows]
-        unit_temp = bool(np.all(self._h_temp[rows_np] == 1.0))
-        stop_tab = self._stop_tab[rows]
+    def _sample_and_record(self, logits: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Choose the next token of rows ``start..end-1`` from ``logits``, append it (with its
+        logprob and the current version) to the rows' output buffers, and return "is a stop
+        token" as device booleans (nothing here waits for the device). The rows are contiguous,
+        so their state is read and written through views: no gathers, few kernel launches."""
+        sl = slice(start, end)
+        ints, floats, stop_tab = self._ints[sl], self._floats[sl], self._stop_tab[sl]
+        unit_temp = bool(np.all(self._h_temp[sl] == 1.0))
         has_stop = ints[:, _HAS_STOP] == 1
-        gen_np = self._h_gen[rows_np]
-        suppress_np = (gen_np < self._h_min_new[rows_np]) & self._h_has_stop[rows_np]
-        greedy_np = self._h_greedy[rows_np]
-        top_k_np, top_p_np = self._h_top_k[rows_np], self._h_top_p[rows_np]
+        suppress_np = (self._h_gen[sl] < self._h_min_new[sl]) & self._h_has_stop[sl]
+        greedy_np = self._h_greedy[sl]
+        top_k_np, top_p_np = self._h_top_k[sl], self._h_top_p[sl]
         use_top_p = bool(np.any(top_p_np < 1.0))
         if not (suppress_np.any() or greedy_np.any() or use_top_p or np.any(top_k_np > 0)):
             # the common RL case: plain sampling at some temperature, one fused pass
-            uniform = counter_uniform(ints[:, _KEY1], ints[:, _KEY2], ints[:, _CTX])
-            tok, logprob = self._sample_plain(logits, None if unit_temp else floats[:, _TEMP], uniform)
+            tok, logprob = self._sample_plain(logits, None if unit_temp else floats[:, _TEMP],
+                                              ints[:, _KEY1], ints[:, _KEY2], ints[:, _CTX])
         else:
             tok, logprob = self._sample_general(logits, ints, floats, unit_temp, stop_tab, has_stop, suppress_np,
                                                 greedy_np, top_k_np, use_top_p)
 
-        gen = ints[:, _GEN]
-        self._out_tok[rows, gen] = tok
-        self._out_lp[rows, gen] = logprob
-        self._out_ver[rows, gen] = self._version_t
-        self._ints[rows, _GEN] = gen + 1
-        self._ints[rows, _TOK] = tok
-        self._h_gen[rows_np] += 1
+        gen = ints[:, _GEN : _GEN + 1]  # a view: read by the scatters below before the increment
+        self._out_tok[sl].scatter_(1, gen, tok[:, None])
+        self._out_lp[sl].scatter_(1, gen, logprob[:, None].to(self._out_lp.dtype))
+        self._out_ver[sl].scatter_(1, gen, self._version_t.expand(end - start, 1))
+        ints[:, _GEN] += 1
+        ints[:, _TOK] = tok
+        self._h_gen[sl] += 1
         return has_stop & (tok[:, None] == stop_tab).any(dim=-1)
 
     # -------------------------------------------------------------------------- finishing
