@@ -15,12 +15,13 @@ Shapes (Qwen2.5-0.5B attention: 14 query heads, 2 KV heads, head dim 64, bf16; t
 
 Paths:
 
-* ``sdpa``: ``F.scaled_dot_product_attention(q.view(n, KVH, group, hd), k_cache[:n, :, :L],
-  v_cache[:n, :, :L], attn_mask=bool [n, 1, 1, L])`` inside
-  ``sdpa_kernel([FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH])``, as ``LlamaFamilyModel._decode``
-  runs it eagerly (the mask is built once per step and shared by the layers, so it is built
-  outside the timed region);
-* ``sdpa_cudnn``: the same with cuDNN attention allowed (what the engine does under CUDA graphs);
+* ``sdpa``: the engine's ``attention: sdpa`` path, ``rlcli.backends.embedded.sdpa_decode_attention``
+  (SDPA over ``q.view(n, KVH, group, hd)`` and the cache's first ``L`` positions with a boolean
+  ``[n, 1, 1, L]`` :func:`decode_mask`) with the kernels the engine allows eagerly (flash,
+  efficient, math); the mask is built once per step and shared by the layers, so it is built
+  outside the timed region;
+* ``sdpa_cudnn``: the same with cuDNN attention tried first (what the engine's CUDA graphs ran,
+  by the fourth session's profile);
 * ``triton``: ``rlcli.backends.decode_attention.decode_attention``.
 
 Each path is timed two ways with CUDA events, median of ``--iters`` (default 50) samples after
@@ -36,8 +37,6 @@ just to exercise the script. Output: ``RESULT {json}`` lines, and with ``--out``
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import json
 import os
 import statistics
@@ -46,9 +45,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+# Triton itself is imported when the kernels are first built (after --tiny sets TRITON_INTERPRET)
+from rlcli.backends import decode_attention as da  # noqa: E402
+from rlcli.backends.embedded import _attention_backends, decode_mask, sdpa_decode_attention  # noqa: E402
 
 CASES = {
     "rollout": dict(n=512, heads=14, kv_heads=2, head_dim=64, lo=64, hi=320, key_len=384),
@@ -60,31 +63,14 @@ TINY_CASES = {
 }
 
 
-def _load_kernel_module():
-    """``rlcli.backends.decode_attention``, loaded from its file if the package's other imports
-    (pydantic, ...) are missing on this machine: the module itself needs only torch and Triton."""
-    try:
-        from rlcli.backends import decode_attention as module
-
-        return module
-    except ImportError:
-        path = REPO / "rlcli" / "backends" / "decode_attention.py"
-        spec = importlib.util.spec_from_file_location("rlcli_decode_attention", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-def _sdpa_context(device: torch.device, allow_cudnn: bool):
-    if device.type != "cuda":
-        return contextlib.nullcontext()
+def _sdpa_context(device: torch.device, cudnn_first: bool):
+    """The engine's eager choice of SDPA kernels (no cuDNN), or cuDNN first (what its graphs used)."""
+    if not cudnn_first or device.type != "cuda":
+        return _attention_backends(device, allow_cudnn=False)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    backends = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    if allow_cudnn:
-        backends.insert(0, SDPBackend.CUDNN_ATTENTION)
-    return sdpa_kernel(backends)
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
 
 
 def make_case(case: dict, device: torch.device, dtype: torch.dtype, seed: int = 0):
@@ -95,9 +81,7 @@ def make_case(case: dict, device: torch.device, dtype: torch.dtype, seed: int = 
     v_cache = torch.randn(rows, kvh, max_len, hd, generator=g, device=device).to(dtype)
     q = torch.randn(n, case["heads"], hd, generator=g, device=device).to(dtype)
     positions = torch.randint(case["lo"], case["hi"] + 1, (n,), generator=g, device=device)
-    key_pos = torch.arange(key_len, device=device)
-    mask = (key_pos[None, :] <= positions[:, None]).view(n, 1, 1, key_len)
-    return q, k_cache, v_cache, positions, mask
+    return q, k_cache, v_cache, positions, decode_mask(positions, torch.arange(key_len, device=device))
 
 
 def needed_bytes(positions: torch.Tensor, key_len: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
@@ -144,19 +128,16 @@ def time_cpu(fn, iters: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-def run_case(name: str, case: dict, args, da, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def run_case(name: str, case: dict, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     q, k_cache, v_cache, positions, mask = make_case(case, device, dtype)
     n, kvh, hd, key_len = case["n"], case["kv_heads"], case["head_dim"], case["key_len"]
-    group = case["heads"] // kvh
     scale = hd**-0.5
     nbytes = needed_bytes(positions, key_len, kvh, hd, q.element_size())
 
-    def sdpa(allow_cudnn: bool):
+    def sdpa(cudnn_first: bool):
         def fn():
-            with _sdpa_context(device, allow_cudnn):
-                out = F.scaled_dot_product_attention(q.view(n, kvh, group, hd), k_cache[:n, :, :key_len],
-                                                     v_cache[:n, :, :key_len], attn_mask=mask, scale=scale)
-            return out.reshape(n, case["heads"], hd)
+            with _sdpa_context(device, cudnn_first):
+                return sdpa_decode_attention(q, k_cache, v_cache, mask, scale)
         return fn
 
     def triton(**knobs):
@@ -219,14 +200,13 @@ def main(argv: list[str] | None = None) -> int:
             print("needs a CUDA GPU (or --tiny)", file=sys.stderr)
             return 2
         device, dtype, cases = torch.device("cuda"), torch.bfloat16, CASES
-    da = _load_kernel_module()
     if not da.triton_decode_attention_available(device):
         print("Triton is not available for this device", file=sys.stderr)
         return 2
 
     results = []
     for name in args.cases.split(","):
-        results += run_case(name, cases[name], args, da, device, dtype)
+        results += run_case(name, cases[name], args, device, dtype)
 
     print(f"\n{'case':<8} {'path':<28} {'us/call':>9} {'GB/s':>8} {'max|diff|':>10}")
     for r in results:

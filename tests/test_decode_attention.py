@@ -21,7 +21,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton; Linux only)")
 
@@ -150,17 +149,11 @@ def test_kernel_rows_past_key_len(num_splits):
 
 
 def sdpa_decode(q, k_cache, v_cache, positions, key_len, scale, window=None):
-    """The formulation of ``LlamaFamilyModel._decode`` / ``_decode_layer`` in embedded.py."""
-    n, num_heads, hd = q.shape
-    kvh = k_cache.shape[1]
-    key_pos = torch.arange(key_len, device=q.device)
-    mask = key_pos[None, :] <= positions[:, None]
-    if window is not None:
-        mask &= key_pos[None, :] > positions[:, None] - window
-    keys, values = k_cache[:n, :, :key_len], v_cache[:n, :, :key_len]
-    attn = F.scaled_dot_product_attention(q.view(n, kvh, num_heads // kvh, hd), keys, values,
-                                          attn_mask=mask.view(n, 1, 1, key_len), scale=scale)
-    return attn.reshape(n, num_heads, hd)
+    """The engine's SDPA path (``attention: sdpa``), as ``LlamaFamilyModel._decode`` calls it."""
+    from rlcli.backends.embedded import decode_mask, sdpa_decode_attention
+
+    mask = decode_mask(positions, torch.arange(key_len, device=q.device), window)
+    return sdpa_decode_attention(q, k_cache, v_cache, mask, scale)
 
 
 @interpreted

@@ -241,6 +241,31 @@ def _attention_backends(device: torch.device, allow_cudnn: bool):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def decode_mask(positions: torch.Tensor, key_pos: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[n, 1, 1, L]`` booleans: row ``i`` sees cache position ``key_pos[j]`` when it is at or
+    before ``positions[i]`` (and within ``window`` of it)."""
+    visible = key_pos[None, :] <= positions[:, None]
+    if window is not None:
+        visible = visible & (key_pos[None, :] > positions[:, None] - window)
+    return visible.view(positions.shape[0], 1, 1, key_pos.shape[0])
+
+
+def sdpa_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Decode attention through SDPA: ``q`` ``[n, H, hd]`` against cache rows ``0..n-1`` up to
+    ``mask.shape[-1]`` (a :func:`decode_mask`); returns ``[n, H, hd]``. The query heads that
+    share a KV head are laid out as ``[n, KVH, group, hd]``, so plain SDPA handles grouped-query
+    attention without repeating the cache."""
+    n, num_heads, hd = q.shape
+    kvh, key_len = k_cache.shape[1], mask.shape[-1]
+    keys, values = k_cache[:n, :, :key_len], v_cache[:n, :, :key_len]
+    if keys.dtype != q.dtype:
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+    attn = F.scaled_dot_product_attention(q.view(n, kvh, num_heads // kvh, hd), keys, values, attn_mask=mask,
+                                          scale=scale)
+    return attn.reshape(n, num_heads, hd)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in the "rotate half" convention of the Hugging Face llama family."""
     half = x.shape[-1] // 2
@@ -468,20 +493,14 @@ class LlamaFamilyModel:
         n = tokens.shape[0]
         h = self.embed(tokens)  # [n, D]
         cos, sin = self.rotary(h, positions.unsqueeze(1))  # [n, 1, hd]
-        key_pos = torch.arange(key_len, device=tokens.device)
+        key_pos = torch.arange(key_len, device=tokens.device)  # its length carries key_len into compiled layers
         rows = torch.arange(n, device=tokens.device)
-        if self.triton_attention:  # the kernel masks by position itself
-            for i, layer in enumerate(self.layers):
-                h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos, None)
-            return self.lm_head(self.final_norm(h))
-        visible = key_pos[None, :] <= positions[:, None]  # [n, L]
-        masks: dict[int | None, torch.Tensor] = {None: visible.view(n, 1, 1, key_len)}
+        masks: dict[int | None, torch.Tensor | None] = {}  # one per sliding-window width; None: the Triton kernel masks
         for i, layer in enumerate(self.layers):
-            mask = masks.get(layer.window)
-            if mask is None:
-                win = visible & (key_pos[None, :] > positions[:, None] - layer.window)
-                mask = masks[layer.window] = win.view(n, 1, 1, key_len)
-            h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos, mask)
+            if layer.window not in masks:
+                masks[layer.window] = None if self.triton_attention else decode_mask(positions, key_pos, layer.window)
+            h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos,
+                               masks[layer.window])
         return self.lm_head(self.final_norm(h))
 
     def _decode_layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -491,9 +510,6 @@ class LlamaFamilyModel:
         ``positions`` and attends to the cache's first ``len(key_pos)`` positions, through SDPA
         with ``mask`` or, when ``mask`` is None, through the Triton kernel."""
         n = h.shape[0]
-        hd, kvh = self.head_dim, self.num_kv_heads
-        group = self.num_heads // kvh
-        key_len = key_pos.shape[0]
         x = layer.input_norm(h)
         q, k, v = self._qkv(layer, x, (n,))
         q = _rope(q, cos, sin)  # [n, H, hd]
@@ -501,14 +517,11 @@ class LlamaFamilyModel:
         k_cache[rows, :, positions] = k.to(k_cache.dtype)
         v_cache[rows, :, positions] = v.to(v_cache.dtype)
         if mask is None:
-            attn = decode_attention_op(q, k_cache, v_cache, positions, key_len, layer.scale, layer.window or 0)
+            attn = decode_attention_op(q, k_cache, v_cache, positions, key_pos.shape[0], layer.scale,
+                                       layer.window or 0)
         else:
-            keys, values = k_cache[:n, :, :key_len], v_cache[:n, :, :key_len]
-            if keys.dtype != q.dtype:
-                keys, values = keys.to(q.dtype), values.to(q.dtype)
-            attn = F.scaled_dot_product_attention(q.view(n, kvh, group, hd), keys, values, attn_mask=mask,
-                                                  scale=layer.scale)
-        h = h + layer.o_proj(attn.reshape(n, self.num_heads * hd))
+            attn = sdpa_decode_attention(q, k_cache, v_cache, mask, layer.scale)
+        h = h + layer.o_proj(attn.reshape(n, self.num_heads * self.head_dim))
         return h + layer.mlp(layer.post_norm(h))
 
 
@@ -538,10 +551,6 @@ class KVCache:
     @property
     def allocated(self) -> bool:
         return self._buffer is not None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     @property
     def address(self) -> int | None:
@@ -1156,7 +1165,7 @@ class EmbeddedEngine:
 
         gen = ints[:, _GEN : _GEN + 1]  # a view: read by the scatters below before the increment
         self._out_tok[sl].scatter_(1, gen, tok[:, None])
-        self._out_lp[sl].scatter_(1, gen, logprob[:, None].to(self._out_lp.dtype))
+        self._out_lp[sl].scatter_(1, gen, logprob[:, None])
         self._out_ver[sl].scatter_(1, gen, self._version_t.expand(end - start, 1))
         ints[:, _GEN] += 1
         ints[:, _TOK] = tok
