@@ -101,3 +101,14 @@ def eos_token_ids(tok: PreTrainedTokenizerBase, model_dir: str | Path | None = N
                 if isinstance(e, int) and e not in ids:
                     ids.append(e)
     return ids
+
+
+def decode_tokens(tok: PreTrainedTokenizerBase, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """``tok.decode(ids, skip_special_tokens=...)``, straight through the Rust tokenizer when that
+    is all ``decode`` would do (a fast tokenizer that does not override decoding and does not clean
+    up spaces): ``decode`` first walks the id list in Python (~0.1 ms per 256 ids), which for a
+    512-response rollout is tens of milliseconds with the GPU idle."""
+    if (isinstance(tok, PreTrainedTokenizerFast) and type(tok)._decode is PreTrainedTokenizerFast._decode
+            and type(tok).decode is PreTrainedTokenizerBase.decode and not tok.clean_up_tokenization_spaces):
+        return tok._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens)

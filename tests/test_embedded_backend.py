@@ -511,6 +511,19 @@ def test_kv_cache_is_always_finite(model_dir):
     be.shutdown()
 
 
+def test_decode_writes_logits_into_a_given_buffer(model_dir):
+    # CUDA graphs hand decode their static logits buffer: the output projection writes it directly
+    be = make(model_dir, max_batch_size=4)
+    model, cache = be.engine.model, be.engine.cache
+    tokens, positions = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])
+    with torch.inference_mode():  # as the engine runs (the KV cache is an inference tensor)
+        want = model.decode(tokens, positions, cache, 4)
+        buf = torch.full((4, want.shape[1]), float("nan"), dtype=want.dtype)
+        got = model.decode(tokens, positions, cache, 4, out=buf[:3])
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(buf[:3], want) and buf[3].isnan().all()
+    be.shutdown()
+
+
 def test_bfloat16_kv_cache_runs(model_dir):
     be = make(model_dir, max_batch_size=8, kv_cache_dtype="bfloat16")
     assert be.engine.cache.dtype == torch.bfloat16
@@ -593,6 +606,22 @@ def test_compiled_decode_and_sampler_match_eager(model_dir):
     for a, b in zip(eager, got):
         assert a.token_ids == b.token_ids
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_sleep_and_wake_do_not_recompile_the_decoder(model_dir):
+    # The compiled layers guard on the kind of tensor the KV cache is; a cache re-allocated as a
+    # different kind after wake_up recompiled them in the first rollout after every sync (~3 s on the H200).
+    from torch._dynamo.utils import counters
+
+    be = make(model_dir, compile=True, max_batch_size=8)
+    requests = lambda: [req([5, 6, 7], seed=s, max_tokens=6, ignore_eos=True) for s in range(4)]  # noqa: E731
+    first = run_all(be, requests())
+    frames = counters["frames"]["total"]
+    be.sleep(1)
+    be.wake_up()
+    assert [o.token_ids for o in run_all(be, requests())] == [o.token_ids for o in first]
+    assert counters["frames"]["total"] == frames
+    be.shutdown()
 
 
 def test_failed_compilation_falls_back_to_eager(model_dir, monkeypatch, caplog):

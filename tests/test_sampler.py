@@ -83,3 +83,15 @@ def test_fixed_groups_are_stable(tmp_path, tok):
     s = make(write(tmp_path / "d.jsonl", [row(i) for i in range(4)]), tok)
     assert [g[0].label for g in s.fixed_groups(3)] == ["1", "2", "3"]
     assert [g[0].label for g in s.fixed_groups()] == ["1", "2", "3", "4"]
+
+
+def test_decode_tokens_equals_the_tokenizers_decode():
+    from rlcli.tokenizer import builtin_tokenizer, decode_tokens
+
+    for name in ("arith", "calc", "digits"):
+        tok = builtin_tokenizer(name)
+        ids = tok.encode("12+3=15 ab?") + [tok.eos_token_id, tok.pad_token_id] + tok.encode("7")
+        for skip in (True, False):
+            assert decode_tokens(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
+        tok.clean_up_tokenization_spaces = True  # what the fast path would skip: falls back to decode
+        assert decode_tokens(tok, ids) == tok.decode(ids, skip_special_tokens=True)

@@ -17,6 +17,7 @@ from rlcli.train.data import (
     build_micro_batch,
     choose_layout,
     empty_micro_batch,
+    pack_balanced,
     pack_sequences,
     split_minibatches,
 )
@@ -70,6 +71,40 @@ def test_micro_batch_gathers_exactly_the_label_positions(layout):
     else:
         assert mb.input_ids.tolist() == [[10, 11, 12, 20, 21], [30, 40, 0, 0, 0], [50, 51, 0, 0, 0]]
         assert mb.position_ids.tolist() == [list(range(5))] * 3
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded"])
+def test_micro_batch_matches_per_sequence_build_on_random_packs(layout):
+    rng = random.Random(3)
+    seqs = []
+    for i in range(40):
+        n = rng.randint(1, 9)
+        mask = [1] * n if rng.random() < 0.6 else [rng.randint(0, 1) for _ in range(n)]
+        lps = [rng.uniform(-5, 0) for _ in range(n)] if rng.random() < 0.8 else None
+        seqs.append(seq([rng.randrange(100) for _ in range(rng.randint(1, 6))], [rng.randrange(100) for _ in range(n)],
+                        mask=mask, logprobs=lps, adv=rng.uniform(-2, 2), temperature=rng.choice([1.0, 0.7]), seq_id=i))
+    for pack in pack_sequences(seqs, 60):
+        mb = build_micro_batch(seqs, pack, layout, pad_id=7)
+        flat_ids = mb.input_ids.reshape(-1)
+        want_ids, labels, adv, logp, owner, before = [], [], [], [], [], []
+        for i in pack.indices:
+            ids, lab, a, lp = seqs[i].build()
+            want_ids.append(ids)
+            kept = [k for k, x in enumerate(lab) if x != IGNORE_INDEX]
+            before += [ids[k] for k in kept]  # the input token at each label's position
+            labels += [lab[k] for k in kept]
+            adv += [a[k] for k in kept]
+            logp += [lp[k] for k in kept]
+            owner += [i] * len(kept)
+        assert mb.labels.tolist() == labels and mb.seq_index.tolist() == owner
+        assert mb.advantages.tolist() == pytest.approx(adv) and mb.rollout_logprobs.tolist() == pytest.approx(logp)
+        if layout == "packed":
+            assert flat_ids.tolist() == [t for ids in want_ids for t in ids]
+        else:
+            width = max(len(x) for x in want_ids)
+            assert mb.input_ids.tolist() == [x + [7] * (width - len(x)) for x in want_ids]
+        assert flat_ids[mb.label_index].tolist() == before
+        assert mb.label_counts == [seqs[i].num_valid for i in pack.indices]
 
 
 def test_acceptance_40_each_sample_keeps_its_advantage():
@@ -315,3 +350,22 @@ def test_dlogits_eager_equals_the_compilable_form():
         want = _dlogits(logits, l, labels, g, inv_t)
         got = _dlogits_eager(logits.clone(), l, labels, g, inv_t)
         assert torch.allclose(got, want, atol=1e-6)
+
+
+def test_balanced_packs_keep_the_count_and_drop_the_runt():
+    # the benchmark's batch: 512 sequences of 319 input tokens; first fit leaves a 2-sequence pack
+    same = [seq([1] * 64, [2] * 256) for _ in range(512)]
+    ff, bal = pack_sequences(same, 32768), pack_balanced(same, 32768)
+    assert len(ff) == len(bal) == 6 and len(ff[-1].indices) == 2
+    assert min(p.num_tokens for p in bal) >= 80 * 319 and max(p.num_tokens for p in bal) <= 32768
+    rng = random.Random(5)
+    mixed = [seq([1] * rng.randint(1, 40), [2] * rng.randint(1, 200)) for _ in range(300)]
+    for limit in (250, 1000, 4096, 100_000):
+        for indices in (None, list(range(0, 300, 3))):
+            ff, bal = pack_sequences(mixed, limit, indices), pack_balanced(mixed, limit, indices)
+            assert len(bal) == len(ff)
+            assert sorted(i for p in bal for i in p.indices) == sorted(indices or range(300))
+            assert all(p.num_tokens <= limit and p.indices == sorted(p.indices) for p in bal)
+            spread = lambda ps: max(p.num_tokens for p in ps) - min(p.num_tokens for p in ps)  # noqa: E731
+            assert spread(bal) <= spread(ff)
+            assert [p.indices for p in pack_balanced(mixed, limit, indices)] == [p.indices for p in bal]

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from rlcli.algo.loss import GSPOPolicyLoss, VanillaPolicyLoss
 from rlcli.config import ModelConfig, TrainWorkerConfig
@@ -185,6 +186,30 @@ def test_activation_memory_budget_recomputes_in_compiled_layers(model_dir):
 def test_activation_memory_budget_needs_torch_compile():
     with pytest.raises(ValueError, match="activation_memory_budget=0.5 needs torch_compile"):
         TrainWorkerConfig(fsdp={"activation_memory_budget": 0.5})
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6, math.inf])
+def test_grad_clipping_on_local_shards_matches_the_full_gradient(model_dir, max_norm):
+    from rlcli.train.worker import clip_grad_norm_local
+
+    w = make_worker(model_dir)
+    seqs = make_batch(n=8)
+    logp, _ = w._forward(w._micro_batches(seqs, [list(range(8))])[0][0])
+    logp.sum().backward()
+    grads = [p.grad for p in w.model.parameters() if p.grad is not None]
+    assert grads and all(isinstance(g, DTensor) for g in grads)  # FSDP's sharded gradients
+    full = [g.full_tensor().clone() for g in grads]
+    want = torch.cat([f.flatten() for f in full]).norm().item()
+    got = clip_grad_norm_local(grads, max_norm, None)
+    assert got == pytest.approx(want, rel=1e-5)
+    scale = min(1.0, max_norm / (want + 1e-6))
+    for g, f in zip(grads, full):
+        assert torch.allclose(g.full_tensor(), f * scale, rtol=1e-5, atol=0)
+    # plain tensors (replicated), and a non-finite gradient reports a non-finite norm
+    plain = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]
+    assert clip_grad_norm_local(plain, 6.5, None) == pytest.approx(13.0)
+    assert torch.allclose(torch.cat(plain), torch.tensor([1.5, 2.0, 6.0]), rtol=1e-5)
+    assert not math.isfinite(clip_grad_norm_local([torch.tensor([float("nan")])], 1.0, None))
 
 
 def test_nan_advantage_skips_the_step(model_dir):

@@ -15,11 +15,13 @@ import hashlib
 import time
 from typing import Any, ClassVar
 
+import torch
 from pydantic import Field
 
 from rlcli import hookimpl
 from rlcli.backends.base import GenerateRequest, InferenceBackend
 from rlcli.component import Component, ComponentConfig
+from rlcli.tokenizer import decode_tokens
 from rlcli.types import Sample, SampleParams, Status, status_from_finish_reason
 
 
@@ -89,7 +91,8 @@ class SingleTurnAgentLoop(AgentLoop):
         sample.finish_reason = reason
         sample.status = status_from_finish_reason(reason)
         if sample.status != Status.ABORTED:
-            sample.response = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+            with torch.profiler.record_function("rlcli/agent/decode"):  # a named range in profiler traces
+                sample.response = decode_tokens(self.tokenizer, sample.response_ids)
         if sample.status == Status.COMPLETED:
             await self.judge_pool.judge(sample)
         return sample

@@ -71,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from rlcli.agent_loops import AgentLoop, AgentLoopConfig
 from rlcli.backends.base import GenerateRequest, InferenceBackend
 from rlcli.component import ComponentConfig
+from rlcli.tokenizer import decode_tokens
 from rlcli.tools.base import Tool, ToolResult, error_text
 from rlcli.types import Sample, Status, status_from_finish_reason
 
@@ -490,7 +491,7 @@ class MultiTurnAgentLoop(AgentLoop):
         ids = sample.response_ids
         if self.config.response_text == "final_turn":
             ids = ids[_turn_start(sample.response_mask):] if sample.response_mask and sample.response_mask[-1] else []
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_tokens(self.tokenizer, ids)
 
     # -------------------------------------------------------------------------- metrics
     @staticmethod

@@ -452,7 +452,8 @@ class LlamaFamilyModel:
         return self.lm_head(self.final_norm(h)).float()
 
     def decode(
-        self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int, allow_cudnn: bool = False
+        self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int, allow_cudnn: bool = False,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One token for each of cache rows ``0..n-1``; returns logits ``[n, V]`` in the model dtype.
 
@@ -461,17 +462,18 @@ class LlamaFamilyModel:
         exceed every position). The query heads that share a KV head are laid out as
         ``[n, KVH, group, hd]`` so plain SDPA handles grouped-query attention without repeating
         the cache. ``allow_cudnn`` lets SDPA pick cuDNN attention on CUDA (only worth it when the
-        shape repeats, as under CUDA-graph replay).
+        shape repeats, as under CUDA-graph replay). ``out`` (``[n, V]``, contiguous) receives the
+        logits, written by the output projection itself (no copy of the ``[n, V]`` tensor).
         """
         with _attention_backends(tokens.device, allow_cudnn):
             try:
-                return self._decode(tokens, positions, cache, key_len)
+                return self._decode(tokens, positions, cache, key_len, out)
             except Exception:
                 if self._layer_fn == self._decode_layer:
                     raise
                 log.warning("torch.compile of the decode step failed; decoding eagerly from now on", exc_info=True)
                 self._layer_fn = self._decode_layer
-                return self._decode(tokens, positions, cache, key_len)
+                return self._decode(tokens, positions, cache, key_len, out)
 
     def use_triton_attention(self) -> None:
         """Decode attention through :mod:`rlcli.backends.decode_attention` (reads each row's keys
@@ -489,7 +491,8 @@ class LlamaFamilyModel:
         decode step pays it."""
         self._layer_fn = torch.compile(self._decode_layer, dynamic=True)
 
-    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int) -> torch.Tensor:
+    def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         n = tokens.shape[0]
         h = self.embed(tokens)  # [n, D]
         cos, sin = self.rotary(h, positions.unsqueeze(1))  # [n, 1, hd]
@@ -501,7 +504,12 @@ class LlamaFamilyModel:
                 masks[layer.window] = None if self.triton_attention else decode_mask(positions, key_pos, layer.window)
             h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos,
                                masks[layer.window])
-        return self.lm_head(self.final_norm(h))
+        h = self.final_norm(h)
+        if out is None:
+            return self.lm_head(h)
+        if self.lm_head.bias is None:
+            return torch.mm(h, self.lm_head.weight.t(), out=out)
+        return out.copy_(self.lm_head(h))
 
     def _decode_layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
@@ -558,8 +566,11 @@ class KVCache:
         return None if self._buffer is None else self._buffer.data_ptr()
 
     def allocate(self) -> None:
+        # Always an inference tensor: the compiled decode layers guard on it, and a cache that
+        # came back as a different kind of tensor after sleep/wake recompiled them (~3 s).
         if self._buffer is None:
-            self._buffer = torch.zeros((2, self.n_layers, *self.shape), dtype=self.dtype, device=self.device)
+            with torch.inference_mode():
+                self._buffer = torch.zeros((2, self.n_layers, *self.shape), dtype=self.dtype, device=self.device)
             self.k = list(self._buffer[0].unbind(0))
             self.v = list(self._buffer[1].unbind(0))
 
@@ -596,9 +607,10 @@ class CudaGraphDecoder:
     def __init__(self, model: LlamaFamilyModel, cache: "KVCache", max_rows: int):
         self.model, self.cache = model, cache
         dev = model.device
-        self._tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self._positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        self._logits = torch.zeros(max_rows, model.vocab_size, dtype=model.dtype, device=dev)
+        with torch.inference_mode():  # like every tensor the engine steps see (compiled code guards on the kind)
+            self._tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+            self._positions = torch.zeros(max_rows, dtype=torch.int64, device=dev)
+            self._logits = torch.zeros(max_rows, model.vocab_size, dtype=model.dtype, device=dev)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
         # one side stream for every warm-up and capture: libraries keep per-stream workspaces
@@ -620,8 +632,8 @@ class CudaGraphDecoder:
         self._pool = None
 
     def _forward(self, rows: int, key_len: int) -> None:
-        out = self.model.decode(self._tokens[:rows], self._positions[:rows], self.cache, key_len, allow_cudnn=True)
-        self._logits[:rows].copy_(out)
+        self.model.decode(self._tokens[:rows], self._positions[:rows], self.cache, key_len, allow_cudnn=True,
+                          out=self._logits[:rows])
 
     def _capture(self, rows: int, key_len: int) -> torch.cuda.CUDAGraph:
         # Warm up eagerly on a side stream (library handles, kernel plans), then capture. Both
@@ -1182,6 +1194,12 @@ class EmbeddedEngine:
         self, rows_np: np.ndarray, reason: str | None = None, error: str | None = None
     ) -> list[tuple[Sequence, GenerateOutput]]:
         """Collect the outputs of ``rows_np`` (sorted row indices) and free their rows."""
+        with torch.profiler.record_function("rlcli/engine/finish"):  # a named range in profiler traces
+            return self._collect(rows_np, reason, error)
+
+    def _collect(
+        self, rows_np: np.ndarray, reason: str | None, error: str | None
+    ) -> list[tuple[Sequence, GenerateOutput]]:
         gens = self._h_gen[rows_np]
         longest = int(gens.max()) if len(gens) else 0
         if longest > 0:
@@ -1560,8 +1578,7 @@ class EmbeddedBackend(InferenceBackend):
         with self._lock:
             if self._asleep >= 2 and self._device.type == "cuda":
                 self._model.hf.to(self._device)
-            with torch.inference_mode():
-                self._engine.cache.allocate()
+            self._engine.cache.allocate()
             # The decode graphs hold the cache's address: they stay valid if the cache came back
             # there (PyTorch's allocator hands out the same block when what a colocated trainer
             # allocated meanwhile has been freed; not guaranteed, hence the check), which saves

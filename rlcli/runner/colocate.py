@@ -104,7 +104,8 @@ class ColocateRunner:
             rollout_peak = self.peak_memory_gib()
             self.backend.sleep()  # colocated: give the KV cache back for training
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
-                seqs, adv = sequences_from_groups(batch.groups, self.estimator)
+                with torch.profiler.record_function("rlcli/train/sequences"):
+                    seqs, adv = sequences_from_groups(batch.groups, self.estimator)
                 metrics = {**batch.metrics, **self.worker.train_step(seqs), "advantage/mean": mean(adv)}
             if rollout_peak is not None:
                 metrics["memory/rollout_peak_gib"] = rollout_peak

@@ -32,6 +32,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import torch
 
 IGNORE_INDEX = -100
@@ -144,6 +145,33 @@ def pack_sequences(seqs: list[TrainSequence], pack_max_length: int, indices: lis
     return packs
 
 
+def pack_balanced(seqs: list[TrainSequence], pack_max_length: int, indices: list[int] | None = None) -> list[Pack]:
+    """As many packs as :func:`pack_sequences` makes, filled evenly.
+
+    First fit fills every pack but the last, which may hold a handful of tokens: a runt
+    micro-batch whose kernels are too small to hide their launch cost (on the H200 the 2-sequence
+    sixth micro-batch of a 512-sequence batch took ~0.2 s with the GPU idle). Here the capacity
+    is lowered to the smallest that still gives first fit the same number of packs (binary
+    search; first fit is deterministic, so the result is too). Which sequences share a pack
+    changes nothing in the loss: it is normalised by global counts.
+    """
+    packs = pack_sequences(seqs, pack_max_length, indices)
+    if len(packs) <= 1:
+        return packs
+    total = sum(p.num_tokens for p in packs)
+    longest = max(n for p in packs for n in p.lengths)
+    lo, hi = max(longest, -(-total // len(packs))), pack_max_length
+    best = packs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = pack_sequences(seqs, mid, indices)
+        if len(trial) <= len(packs):
+            best, hi = trial, mid
+        else:
+            lo = mid + 1
+    return best  # the packs of capacity ``hi``, the last one tried successfully
+
+
 def split_minibatches(token_counts: list[int], num: int) -> list[list[int]]:
     """Split ``range(len(token_counts))`` into ``num`` contiguous, token-balanced index lists.
 
@@ -236,71 +264,72 @@ class MicroBatch:
 
 
 def build_micro_batch(seqs: list[TrainSequence], pack: Pack, layout: Layout, pad_id: int = 0) -> MicroBatch:
-    """Tensorise one pack in the given layout (see the module docstring)."""
-    rows_ids: list[list[int]] = []
-    label_index: list[int] = []
-    labels: list[int] = []
-    adv: list[float] = []
-    rlp: list[float] = []
-    has_rlp: list[bool] = []
-    inv_t: list[float] = []
-    seq_index: list[int] = []
-    seq_local: list[int] = []
-    counts: list[int] = []
+    """Tensorise one pack in the given layout (see the module docstring).
+
+    Token lists are joined with C-level list operations and converted once per field; per-token
+    values that are constant within a sequence are expanded with ``np.repeat``, so the cost is a
+    few passes over the pack's tokens, not a Python loop per token (a 32k-token pack of 102
+    sequences: ~3 ms, against ~25 ms for per-token lists).
+    """
+    sel = [seqs[i] for i in pack.indices]
+    n_seq = len(sel)
     longest = max(pack.lengths) if pack.lengths else 1
+    ids: list[int] = []
+    labels: list[int] = []
+    rlp: list[float] = []
+    counts = np.zeros(n_seq, dtype=np.int64)
+    firsts = np.zeros(n_seq, dtype=np.int64)
+    partial: dict[int, np.ndarray] = {}  # row -> the response offsets that carry a label (mask not all ones)
     offset = 0
-    for row, i in enumerate(pack.indices):
-        s = seqs[i]
+    for row, s in enumerate(sel):
         prompt, resp, mask = s.prompt_ids, s.response_ids, s.response_mask
-        rows_ids.append(list(prompt) + list(resp[:-1]))
+        ids += prompt
+        ids += resp[:-1]
+        if layout == "padded":
+            ids += [pad_id] * (longest - s.num_tokens)
         # Response token j is predicted at input position len(prompt) - 1 + j.
-        first = (row * longest if layout == "padded" else offset) + len(prompt) - 1
+        firsts[row] = (row * longest if layout == "padded" else offset) + len(prompt) - 1
         lps = s.rollout_logprobs
-        if all(mask):  # the common case, without a Python loop per token
-            n = len(resp)
-            label_index.extend(range(first, first + n))
-            labels.extend(resp)
-            rlp.extend(lps if lps is not None else [0.0] * n)
+        if all(mask):  # the common case
+            labels += resp
+            rlp += lps if lps is not None else [0.0] * len(resp)
+            counts[row] = len(resp)
         else:
-            js = [j for j, m in enumerate(mask) if m]
-            n = len(js)
-            label_index.extend([first + j for j in js])
-            labels.extend([resp[j] for j in js])
-            rlp.extend([lps[j] for j in js] if lps is not None else [0.0] * n)
-        adv.extend([float(s.advantage)] * n)
-        has_rlp.extend([s.rollout_logprobs is not None] * n)
-        inv_t.extend([1.0 / s.effective_temperature] * n)
-        seq_index.extend([i] * n)
-        seq_local.extend([row] * n)
-        counts.append(n)
+            js = np.flatnonzero(np.asarray(mask, dtype=bool))
+            partial[row] = js
+            labels += np.asarray(resp, dtype=np.int64)[js].tolist()
+            rlp += np.asarray(lps, dtype=np.float64)[js].tolist() if lps is not None else [0.0] * len(js)
+            counts[row] = len(js)
         offset += s.num_tokens
+    total = int(counts.sum())
+    starts = np.cumsum(counts) - counts  # where each sequence's labels begin
+    within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)  # offset inside the response
+    for row, js in partial.items():
+        within[starts[row]: starts[row] + counts[row]] = js
+    label_index = np.repeat(firsts, counts) + within
+    per_seq = lambda values, dtype: np.repeat(np.asarray(values, dtype=dtype), counts)  # noqa: E731
+    inv_t = [1.0 / s.effective_temperature for s in sel]
     if layout == "padded":
-        flat = []
-        for ids in rows_ids:
-            flat.extend(ids)
-            flat.extend([pad_id] * (longest - len(ids)))
-        input_ids = torch.tensor(flat, dtype=torch.long).view(len(rows_ids), longest)
-        position_ids = torch.arange(longest).expand(len(rows_ids), longest).contiguous()
+        input_ids = torch.from_numpy(np.array(ids, dtype=np.int64)).view(n_seq, longest)
+        position_ids = torch.arange(longest).expand(n_seq, longest).contiguous()
     else:
-        flat, pos = [], []
-        for ids in rows_ids:
-            flat.extend(ids)
-            pos.extend(range(len(ids)))
-        input_ids = torch.tensor([flat or [pad_id]], dtype=torch.long)
-        position_ids = torch.tensor([pos or [0]], dtype=torch.long)
+        lens = np.asarray(pack.lengths, dtype=np.int64)
+        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        input_ids = torch.from_numpy(np.array(ids or [pad_id], dtype=np.int64)).view(1, -1)
+        position_ids = torch.from_numpy(pos if len(pos) else np.zeros(1, dtype=np.int64)).view(1, -1)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
-        label_index=torch.tensor(label_index, dtype=torch.long),
-        labels=torch.tensor(labels, dtype=torch.long),
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        rollout_logprobs=torch.tensor(rlp, dtype=torch.float32),
-        has_rollout_logprobs=torch.tensor(has_rlp, dtype=torch.bool),
-        inv_temperature=torch.tensor(inv_t, dtype=torch.float32),
-        seq_index=torch.tensor(seq_index, dtype=torch.long),
-        seq_local=torch.tensor(seq_local, dtype=torch.long),
+        label_index=torch.from_numpy(label_index),
+        labels=torch.from_numpy(np.array(labels, dtype=np.int64)),
+        advantages=torch.from_numpy(per_seq([float(s.advantage) for s in sel], np.float32)),
+        rollout_logprobs=torch.from_numpy(np.array(rlp, dtype=np.float32)),
+        has_rollout_logprobs=torch.from_numpy(per_seq([s.rollout_logprobs is not None for s in sel], np.bool_)),
+        inv_temperature=torch.from_numpy(per_seq(inv_t, np.float32)),
+        seq_index=torch.from_numpy(per_seq(pack.indices, np.int64)),
+        seq_local=torch.from_numpy(per_seq(np.arange(n_seq), np.int64)),
         seq_indices=list(pack.indices),
-        label_counts=counts,
+        label_counts=counts.tolist(),
         layout=layout,
         unit_temperature=all(t == 1.0 for t in inv_t),
     )

@@ -52,6 +52,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -73,7 +74,7 @@ from rlcli.train.data import (
     build_micro_batch,
     choose_layout,
     empty_micro_batch,
-    pack_sequences,
+    pack_balanced,
     split_minibatches,
 )
 from rlcli.train.lr import build_scheduler
@@ -306,6 +307,48 @@ def chunked_logprobs(
     return _ChunkedLogprob.apply(hidden, weight, bias, labels, it, chunk_size, with_entropy, fused)
 
 
+def clip_grad_norm_local(grads: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None) -> float:
+    """Clip ``grads`` in place to a global L2 norm of at most ``max_norm``; returns the norm before
+    clipping (``nan``/``inf`` when a gradient is not finite). Collective over ``group`` (None: one rank).
+
+    The same result as ``torch.nn.utils.clip_grad_norm_`` on FSDP's DTensor gradients, computed on
+    the local shards: the squared norms of sharded gradients are summed over the ranks, those of
+    replicated ones counted once. Dispatching the norm through DTensor costs ~0.15 s of host time
+    per optimizer step for a 24-layer model (measured on the H200 host), with the GPU idle.
+    """
+    if not grads:
+        return 0.0
+    sharded, replicated = [], []
+    for g in grads:
+        if isinstance(g, DTensor):
+            (sharded if any(pl.is_shard() for pl in g.placements) else replicated).append(g.to_local())
+        else:
+            replicated.append(g)
+    dev = grads[0].device if not isinstance(grads[0], DTensor) else grads[0].to_local().device
+
+    def sq_sum(ts: list[torch.Tensor]) -> torch.Tensor:
+        if not ts:
+            return torch.zeros((), dtype=torch.float32, device=dev)
+        norms = torch._foreach_norm(ts) if dev.type == "cuda" else [torch.linalg.vector_norm(t) for t in ts]
+        return torch.stack([n.float() for n in norms]).square().sum()
+
+    total = sq_sum(sharded)
+    if group is not None and sharded:
+        dist.all_reduce(total, group=group)
+    norm = float((total + sq_sum(replicated)).sqrt())
+    if math.isfinite(max_norm):
+        # float32 arithmetic, as torch's clip_grad_norm_ does it on a float32 norm
+        coef = float(np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6)))
+        if coef < 1.0:
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            if dev.type == "cuda":
+                torch._foreach_mul_(local, coef)
+            else:
+                for t in local:
+                    t.mul_(coef)
+    return norm
+
+
 class PolicyModel(nn.Module):
     """Wraps an HF causal LM so that one FSDP2 root forward returns label logprobs and entropies."""
 
@@ -508,7 +551,7 @@ class TrainWorker:
     # ------------------------------------------------------------------------ batches
     def _micro_batches(self, seqs: list[TrainSequence], groups: list[list[int]]) -> list[list[MicroBatch]]:
         """Pack each index group; every rank gets the same number of micro-batches per group."""
-        packs = [pack_sequences(seqs, self.cfg.pack_max_length, g) for g in groups]
+        packs = [pack_balanced(seqs, self.cfg.pack_max_length, g) for g in groups]
         counts = [len(p) for p in packs]
         if self.world_size > 1:
             t = torch.tensor(counts, dtype=torch.long, device=self.device)
@@ -605,7 +648,8 @@ class TrainWorker:
         groups = split_minibatches([s.num_tokens for s in seqs], k)
         # Sequences without a trained token change nothing: leave them out of the forwards.
         groups = [[i for i in g if seqs[i].num_valid > 0] for g in groups]
-        batches = self._micro_batches(seqs, groups)
+        with torch.profiler.record_function("rlcli/train/pack"):  # a named range in profiler traces
+            batches = self._micro_batches(seqs, groups)
         m = _Metrics(self.device)
 
         # Old logprobs are needed up front when the policy moves within the step, and when rollout
@@ -665,20 +709,21 @@ class TrainWorker:
                 has = mb.has_rollout_logprobs
                 diff = torch.where(has, (old_logp.detach() - mb.rollout_logprobs).abs(), 0.0)
                 m.add_sum("rollout_logprob_diff", diff.sum(), has.sum())
-            step_loss = self._all_sum([float(local_loss)])[0]
-            grad_norm = self._clip_grad_norm()
-            lrs.append(self.optimizer.param_groups[0]["lr"])
-            if num_tokens[j] == 0:
-                # Nothing to learn from (all ranks agree): no update; the schedule still advances.
-                losses.append(0.0)
-                grad_norms.append(0.0)
-            elif math.isfinite(step_loss) and math.isfinite(grad_norm):
-                self.optimizer.step()
-                losses.append(step_loss)
-                grad_norms.append(grad_norm)
-            else:
-                skipped += 1
-            self.optimizer.zero_grad(set_to_none=True)
+            with torch.profiler.record_function("rlcli/train/optimizer"):
+                step_loss = self._all_sum([float(local_loss)])[0]
+                grad_norm = self._clip_grad_norm()
+                lrs.append(self.optimizer.param_groups[0]["lr"])
+                if num_tokens[j] == 0:
+                    # Nothing to learn from (all ranks agree): no update; the schedule still advances.
+                    losses.append(0.0)
+                    grad_norms.append(0.0)
+                elif math.isfinite(step_loss) and math.isfinite(grad_norm):
+                    self.optimizer.step()
+                    losses.append(step_loss)
+                    grad_norms.append(grad_norm)
+                else:
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
             with warnings.catch_warnings():
                 # A skipped first update would make torch warn that the scheduler stepped first.
                 warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
@@ -717,14 +762,10 @@ class TrainWorker:
             self.model.set_reshard_after_backward(not more_to_come)
 
     def _clip_grad_norm(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if not params:
-            return 0.0
         max_norm = self.cfg.max_grad_norm if self.cfg.max_grad_norm is not None else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=self.device.type == "cuda")
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        return float(norm)
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        group = (self.group or dist.group.WORLD) if self.world_size > 1 else None
+        return clip_grad_norm_local(grads, max_norm, group)
 
     # ----------------------------------------------------------------------- logprobs
     @torch.no_grad()
