@@ -524,6 +524,39 @@ def test_decode_writes_logits_into_a_given_buffer(model_dir):
     be.shutdown()
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_fused_projections_decode_like_the_separate_ones_and_take_updates(tmp_path, arch):
+    d = make_tiny_model_dirs(tmp_path, arch=arch, seed=4)[0]
+    be = make(d, max_batch_size=4)
+    model, cache = be.engine.model, be.engine.cache
+    layer = model.layers[1]
+    assert layer.qkv_weight is not None and layer.gate_up_weight is not None
+    assert (layer.qkv_bias is not None) == (arch == "qwen2")
+    assert layer.k_proj.weight.data_ptr() == layer.qkv_weight[layer.q_proj.out_features:].data_ptr()
+    tokens, positions = torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])
+    with torch.inference_mode():  # as the engine runs
+        fused = model.decode(tokens, positions, cache, 4)
+        saved = [(ly.qkv_weight, ly.qkv_bias, ly.gate_up_weight) for ly in model.layers]
+        for ly in model.layers:  # the Hugging Face modules alone
+            ly.qkv_weight = ly.qkv_bias = ly.gate_up_weight = None
+        cache.free()
+        cache.allocate()
+        assert torch.allclose(model.decode(tokens, positions, cache, 4), fused, atol=1e-5)
+    for ly, (w, b, gu) in zip(model.layers, saved):
+        ly.qkv_weight, ly.qkv_bias, ly.gate_up_weight = w, b, gu
+    # an in-place update of one projection lands in the fused matrix
+    name = "model.layers.1.mlp.up_proj.weight"
+    new = torch.randn_like(layer.mlp.up_proj.weight)
+    be.update_weights([(name, new)], version=1)
+    assert torch.equal(layer.gate_up_weight[layer.mlp.gate_proj.out_features:], new)
+    # moving the weights (sleep(2) / wake_up on a GPU) replaces the views: the model re-fuses
+    model.hf.to(torch.float64)
+    model.to("cpu")
+    assert layer.qkv_weight.dtype == torch.float64
+    assert layer.v_proj.weight.data_ptr() == layer.qkv_weight[-layer.v_proj.out_features:].data_ptr()
+    be.shutdown()
+
+
 def test_bfloat16_kv_cache_runs(model_dir):
     be = make(model_dir, max_batch_size=8, kv_cache_dtype="bfloat16")
     assert be.engine.cache.dtype == torch.bfloat16

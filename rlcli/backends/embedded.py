@@ -273,6 +273,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def _fuse_rows(params: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate ``params`` along dim 0 into one new tensor and point each parameter's data at
+    its rows of it (in-place updates of a parameter then write into the fused tensor)."""
+    fused = torch.cat([p.data for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = fused[start: start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
 @dataclass
 class _Layer:
     input_norm: torch.nn.Module
@@ -286,6 +297,11 @@ class _Layer:
     mlp: torch.nn.Module
     scale: float
     window: int | None  # sliding-window width, None = full attention
+    # q/k/v and gate/up projections as one matrix each (see LlamaFamilyModel.fuse_projections);
+    # None when not fused
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    gate_up_weight: torch.Tensor | None = None
 
 
 class LlamaFamilyModel:
@@ -345,6 +361,39 @@ class LlamaFamilyModel:
                     window=int(window) if window else None,
                 )
             )
+        self.fuse_projections()
+
+    @torch.no_grad()
+    def fuse_projections(self) -> None:
+        """Give each layer one ``[q; k; v]`` and one ``[gate; up]`` weight matrix, and make the
+        Hugging Face parameters views into them.
+
+        A decode step multiplies a few hundred rows by each matrix; at that size a matrix
+        product costs about the same whatever its width, so three (or two) products become one.
+        The parameters stay the model's own (views), so in-place weight updates, state-dict
+        names and the prefill path are unchanged. Layers whose projections differ in kind (bias
+        on some only, or an MLP without ``gate_proj``/``up_proj``) are left as they are.
+        Call again after the weights have been moved (``.to()`` replaces the views by copies).
+        """
+        for layer in self.layers:
+            projs = (layer.q_proj, layer.k_proj, layer.v_proj)
+            biases = [p.bias for p in projs]
+            layer.qkv_weight = layer.qkv_bias = layer.gate_up_weight = None
+            if all(isinstance(p, torch.nn.Linear) for p in projs) and (
+                    all(b is None for b in biases) or all(b is not None for b in biases)):
+                layer.qkv_weight = _fuse_rows([p.weight for p in projs])
+                if biases[0] is not None:
+                    layer.qkv_bias = _fuse_rows(biases)
+            mlp = layer.mlp
+            gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+            if (isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear) and gate.bias is None
+                    and up.bias is None and hasattr(mlp, "down_proj") and hasattr(mlp, "act_fn")):
+                layer.gate_up_weight = _fuse_rows([gate.weight, up.weight])
+
+    def to(self, device: torch.device | str) -> None:
+        """Move the weights (``sleep(2)``/``wake_up``); the fused matrices follow."""
+        self.hf.to(device)
+        self.fuse_projections()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -394,11 +443,17 @@ class LlamaFamilyModel:
         return len(items)
 
     # -------------------------------------------------------------------------- forward
-    def _qkv(self, layer: _Layer, x: torch.Tensor, shape: tuple[int, ...]):
+    def _qkv(self, layer: _Layer, x: torch.Tensor, shape: tuple[int, ...], fused: bool = False):
         hd = self.head_dim
-        q = layer.q_proj(x).view(*shape, self.num_heads, hd)
-        k = layer.k_proj(x).view(*shape, self.num_kv_heads, hd)
-        v = layer.v_proj(x).view(*shape, self.num_kv_heads, hd)
+        if fused and layer.qkv_weight is not None:
+            qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
+            q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
+            q, k, v = q.view(*shape, self.num_heads, hd), k.view(*shape, self.num_kv_heads, hd), v.view(
+                *shape, self.num_kv_heads, hd)
+        else:
+            q = layer.q_proj(x).view(*shape, self.num_heads, hd)
+            k = layer.k_proj(x).view(*shape, self.num_kv_heads, hd)
+            v = layer.v_proj(x).view(*shape, self.num_kv_heads, hd)
         if layer.q_norm is not None:
             q = layer.q_norm(q)
         if layer.k_norm is not None:
@@ -519,7 +574,7 @@ class LlamaFamilyModel:
         with ``mask`` or, when ``mask`` is None, through the Triton kernel."""
         n = h.shape[0]
         x = layer.input_norm(h)
-        q, k, v = self._qkv(layer, x, (n,))
+        q, k, v = self._qkv(layer, x, (n,), fused=True)
         q = _rope(q, cos, sin)  # [n, H, hd]
         k = _rope(k, cos, sin)  # [n, KVH, hd]
         k_cache[rows, :, positions] = k.to(k_cache.dtype)
@@ -530,7 +585,15 @@ class LlamaFamilyModel:
         else:
             attn = sdpa_decode_attention(q, k_cache, v_cache, mask, layer.scale)
         h = h + layer.o_proj(attn.reshape(n, self.num_heads * self.head_dim))
-        return h + layer.mlp(layer.post_norm(h))
+        return h + self._mlp(layer, layer.post_norm(h))
+
+    @staticmethod
+    def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        if layer.gate_up_weight is None:
+            return layer.mlp(x)
+        mlp = layer.mlp
+        gate, up = F.linear(x, layer.gate_up_weight).split([mlp.gate_proj.out_features, mlp.up_proj.out_features], dim=-1)
+        return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 # ------------------------------------------------------------------------------------------
@@ -1565,7 +1628,7 @@ class EmbeddedBackend(InferenceBackend):
                 self._graphs_cache_address = self._engine.cache.address
             self._engine.cache.free()
             if level == 2 and self._device.type == "cuda":
-                self._model.hf.to("cpu")
+                self._model.to("cpu")
             if self._device.type == "cuda":
                 torch.cuda.synchronize(self._device)
                 if level == 2:  # level 1 leaves freed memory in torch's cache, where a colocated trainer reuses it
@@ -1577,7 +1640,7 @@ class EmbeddedBackend(InferenceBackend):
         """Restore what :meth:`sleep` released and resume serving queued requests."""
         with self._lock:
             if self._asleep >= 2 and self._device.type == "cuda":
-                self._model.hf.to(self._device)
+                self._model.to(self._device)
             self._engine.cache.allocate()
             # The decode graphs hold the cache's address: they stay valid if the cache came back
             # there (PyTorch's allocator hands out the same block when what a colocated trainer
