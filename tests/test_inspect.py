@@ -40,7 +40,9 @@ def work(tmp_path):
 
 
 def invoke(*args):
-    return CliRunner().invoke(cli, ["inspect", *map(str, args)])
+    # a fixed, wide terminal: the header holds the run's path, whose length depends on where
+    # pytest puts tmp_path (longer under pytest-xdist), and a wrapped line splits the phrases checked below
+    return CliRunner().invoke(cli, ["inspect", *map(str, args)], env={"COLUMNS": "200"})
 
 
 def uids(result):
