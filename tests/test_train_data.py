@@ -369,3 +369,27 @@ def test_balanced_packs_keep_the_count_and_drop_the_runt():
             spread = lambda ps: max(p.num_tokens for p in ps) - min(p.num_tokens for p in ps)  # noqa: E731
             assert spread(bal) <= spread(ff)
             assert [p.indices for p in pack_balanced(mixed, limit, indices)] == [p.indices for p in bal]
+
+
+def test_row_dynamic_compilation_matches_eager_and_compiles_once():
+    # the training logprob math as it is compiled on CUDA (here through the CPU backend)
+    from torch._dynamo.utils import counters
+
+    from rlcli.compiling import compile_rows_dynamic
+    from rlcli.train.worker import _dlogits, _softmax_stats
+
+    torch._dynamo.reset()
+    counters.clear()
+    stats, dlogits = compile_rows_dynamic(_softmax_stats), compile_rows_dynamic(_dlogits)
+    g = torch.Generator().manual_seed(0)
+    for rows in (16, 5, 11):  # varying row counts: one compilation each, no recompiles
+        logits = torch.randn(rows, 97, generator=g).to(torch.bfloat16)
+        labels = torch.randint(0, 97, (rows,), generator=g)
+        inv_t = torch.rand(rows, generator=g) + 0.5
+        want = _softmax_stats(logits, labels, inv_t, True)
+        got = stats(logits, labels, inv_t, True)
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(got, want))
+        up = torch.randn(rows, generator=g)
+        assert torch.allclose(dlogits(logits, want[0], labels, up, inv_t).float(),
+                              _dlogits(logits, want[0], labels, up, inv_t).float(), atol=1e-2)
+    assert counters["frames"]["ok"] == 2

@@ -61,6 +61,7 @@ from pydantic import Field
 
 from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest, InferenceBackend
 from rlcli.backends.decode_attention import decode_attention_op, triton_decode_attention_available
+from rlcli.compiling import compile_rows_dynamic
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
 
@@ -852,7 +853,7 @@ class EmbeddedEngine:
     def compile_sampler(self) -> None:
         """Run the plain-sampling path through ``torch.compile`` (fused passes over the logits);
         a failed compilation falls back to eager PyTorch for good."""
-        compiled = torch.compile(sample_plain_keyed, dynamic=True)
+        compiled = compile_rows_dynamic(sample_plain_keyed)  # row count symbolic, vocabulary constant
 
         def sample(*args):
             try:

@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor
 from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
 from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics, rollout_correction
+from rlcli.compiling import compile_rows_dynamic
 from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
 from rlcli.fsutil import publish_dir
 from rlcli.models import resolve_dtype
@@ -159,7 +160,7 @@ class _FusedMath:
         if not enabled or device.type != "cuda" or self.broken:
             return fn
         if name not in self.compiled:
-            self.compiled[name] = torch.compile(fn, dynamic=True)
+            self.compiled[name] = compile_rows_dynamic(fn)  # row count symbolic, vocabulary constant
         return self.compiled[name]
 
     def call(self, name: str, fn, device: torch.device, enabled: bool, *args, eager=None):
