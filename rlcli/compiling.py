@@ -16,19 +16,22 @@ from typing import Any, Callable
 import torch
 
 
-def compile_rows_dynamic(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` compiled with shapes static except dimension 0 of each tensor argument.
+def compile_rows_dynamic(fn: Callable[..., Any], dims: dict[int, tuple[int, ...]] | None = None) -> Callable[..., Any]:
+    """``fn`` compiled with shapes static except dimension 0 of each tensor argument, or, with
+    ``dims``, except the listed dimensions of the listed positional arguments (``{1: (0,), 9: (0, 3)}``).
 
-    Dimension 0 is marked with ``maybe_mark_dynamic`` on every call, so the first compilation
-    already treats it as symbolic (no recompilation when the row count changes; sizes 0 and 1
-    may still get their own, as Dynamo specialises them).
+    The dimensions are marked with ``maybe_mark_dynamic`` on every call, so the first compilation
+    already treats them as symbolic (no recompilation when they change; sizes 0 and 1 may still
+    get their own, as Dynamo specialises them).
     """
     compiled = torch.compile(fn, dynamic=None)
 
     def call(*args: Any) -> Any:
-        for a in args:
-            if isinstance(a, torch.Tensor) and a.dim() > 0:
-                torch._dynamo.maybe_mark_dynamic(a, 0)
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor) or a.dim() == 0:
+                continue
+            for d in ((0,) if dims is None else dims.get(i, ())):
+                torch._dynamo.maybe_mark_dynamic(a, d)
         return compiled(*args)
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]

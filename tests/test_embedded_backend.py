@@ -657,6 +657,20 @@ def test_sleep_and_wake_do_not_recompile_the_decoder(model_dir):
     be.shutdown()
 
 
+def test_compiled_decode_serves_new_batch_sizes_and_lengths_without_recompiling(model_dir):
+    # only the row count and the key length are symbolic (model sizes are constants, which makes
+    # faster kernels); once warm, other batch sizes and lengths compile nothing new
+    from torch._dynamo.utils import counters
+
+    be = make(model_dir, compile=True, max_batch_size=8)
+    run_all(be, [req([5, 6, 7] * (s + 1), seed=s, max_tokens=9 + s, ignore_eos=True) for s in range(6)])
+    frames = counters["frames"]["total"]
+    outs = run_all(be, [req([9, 8, 7, 6, 5][: 2 + s], seed=s, max_tokens=20, ignore_eos=True) for s in range(3)])
+    assert all(len(o.token_ids) == 20 for o in outs)
+    assert counters["frames"]["total"] == frames
+    be.shutdown()
+
+
 def test_failed_compilation_falls_back_to_eager(model_dir, monkeypatch, caplog):
     def broken_compile(fn, **kw):
         def run(*args, **kwargs):

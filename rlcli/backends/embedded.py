@@ -543,9 +543,12 @@ class LlamaFamilyModel:
     def compile_decode(self) -> None:
         """Run each decoder layer of :meth:`decode` through ``torch.compile``, which fuses its norms,
         rotary embedding, cache write, residual adds and activation into a few kernels. One
-        compilation (dynamic shapes) serves every layer, batch size and key length; the first
+        compilation serves every layer, batch size and key length (those two dimensions are the
+        only symbolic ones: model sizes stay constants, see :mod:`rlcli.compiling`); the first
         decode step pays it."""
-        self._layer_fn = torch.compile(self._decode_layer, dynamic=True)
+        # arguments: layer, h, cos, sin, k_cache, v_cache, rows, positions, key_pos, mask
+        self._layer_fn = compile_rows_dynamic(self._decode_layer, dims={
+            1: (0,), 2: (0,), 3: (0,), 6: (0,), 7: (0,), 8: (0,), 9: (0, 3)})
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
