@@ -2,10 +2,16 @@
 
     python benchmarks/compile_dynamic.py [--out results.json]
 
-Each function is compiled twice, from scratch: with ``dynamic=True`` (every dimension symbolic,
-vocabulary included) and with automatic dynamic shapes (``dynamic=None``: a dimension becomes
-symbolic only once it has been seen to change; warm-up calls at two row counts make the row
-dimension symbolic, the vocabulary stays a constant). Timed at the workload's shapes (bf16,
+Each function is compiled three times, from scratch:
+- with ``dynamic=True`` (every dimension symbolic, vocabulary included);
+- with automatic dynamic shapes (``dynamic=None``: a dimension becomes symbolic only once it has
+  been seen to change; warm-up calls at two row counts make the row dimension symbolic, the
+  vocabulary stays a constant);
+- with ``rlcli.compiling.compile_rows_dynamic``, what rlcli runs (the row dimension marked
+  symbolic before the first compilation). The 2026-12-02 figures in docs/benchmarks.md predate
+  this third mode.
+
+Timed at the workload's shapes (bf16,
 vocabulary 151,936): the training logprob math on a 4,096-token chunk (``_softmax_stats``,
 ``_dlogits``) and the engine's sampler on 512 rows (``sample_plain_keyed``), median of 20 calls
 with CUDA events, against a plain copy of the same logits (the memory-bandwidth yardstick).
@@ -25,6 +31,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlcli.backends.embedded import sample_plain_keyed  # noqa: E402
+from rlcli.compiling import compile_rows_dynamic  # noqa: E402
 from rlcli.train.worker import _dlogits, _softmax_stats  # noqa: E402
 
 V = 151936
@@ -70,10 +77,13 @@ def main() -> None:
         big, small = cases(rows)[name], cases(other)[name]
         copy_us = timed(torch.clone, big[1][0])
         row = {"rows": rows, "clone_logits_us": copy_us}
-        for mode, dynamic in (("dynamic_true", True), ("automatic", None)):
+        modes = (("dynamic_true", lambda f: torch.compile(f, dynamic=True)),
+                 ("automatic", lambda f: torch.compile(f, dynamic=None)),
+                 ("rlcli", compile_rows_dynamic))  # what rlcli runs: rows marked symbolic up front
+        for mode, compile_fn in modes:
             torch._dynamo.reset()
             counters.clear()
-            fn = torch.compile(big[0], dynamic=dynamic)
+            fn = compile_fn(big[0])
             fn(*big[1])
             fn(*small[1])  # a second row count: automatic dynamic makes that dimension symbolic
             fn(*cases(rows - 7)[name][1])  # a third: no further compilation expected

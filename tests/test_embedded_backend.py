@@ -549,9 +549,13 @@ def test_fused_projections_decode_like_the_separate_ones_and_take_updates(tmp_pa
     new = torch.randn_like(layer.mlp.up_proj.weight)
     be.update_weights([(name, new)], version=1)
     assert torch.equal(layer.gate_up_weight[layer.mlp.gate_proj.out_features:], new)
-    # moving the weights (sleep(2) / wake_up on a GPU) replaces the views: the model re-fuses
+    # sleep(2) on a GPU parks the weights on the CPU: the fused matrices go with the device memory
     model.hf.to(torch.float64)
     model.to("cpu")
+    assert all(ly.qkv_weight is None and ly.gate_up_weight is None for ly in model.layers)
+    # wake_up moves them back, which replaced the views by copies: the model re-fuses (what
+    # model.to(device) does for a non-CPU device)
+    model.fuse_projections()
     assert layer.qkv_weight.dtype == torch.float64
     assert layer.v_proj.weight.data_ptr() == layer.qkv_weight[-layer.v_proj.out_features:].data_ptr()
     be.shutdown()
@@ -658,8 +662,9 @@ def test_sleep_and_wake_do_not_recompile_the_decoder(model_dir):
 
 
 def test_compiled_decode_serves_new_batch_sizes_and_lengths_without_recompiling(model_dir):
-    # only the row count and the key length are symbolic (model sizes are constants, which makes
-    # faster kernels); once warm, other batch sizes and lengths compile nothing new
+    # the row count and the key length are marked symbolic (everything else stays a constant, see
+    # rlcli.compiling, whose own test checks that); once warm, other batch sizes and lengths
+    # compile nothing new
     from torch._dynamo.utils import counters
 
     be = make(model_dir, compile=True, max_batch_size=8)

@@ -91,6 +91,11 @@ def test_decode_tokens_equals_the_tokenizers_decode():
     for name in ("arith", "calc", "digits"):
         tok = builtin_tokenizer(name)
         ids = tok.encode("12+3=15 ab?") + [tok.eos_token_id, tok.pad_token_id] + tok.encode("7")
+        want = {skip: tok.decode(ids, skip_special_tokens=skip) for skip in (True, False)}
+        tok.decode = None  # the fast path never calls it (an instance attribute: the class checks still pass)
+        for skip in (True, False):
+            assert decode_tokens(tok, ids, skip) == want[skip]
+        del tok.decode
         for skip in (True, False):
             assert decode_tokens(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
         tok.clean_up_tokenization_spaces = True  # what the fast path would skip: falls back to decode

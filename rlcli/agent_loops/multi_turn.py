@@ -445,8 +445,8 @@ class MultiTurnAgentLoop(AgentLoop):
         ids = sample.response_ids[start:]
         if ids and ids[-1] in self.eos:
             ids = ids[:-1]
-        turn_text = self.tokenizer.decode(ids, skip_special_tokens=not self.format.keep_special_tokens)
-        context = self.tokenizer.decode(sample.prompt_ids + sample.response_ids[:start], skip_special_tokens=True)
+        turn_text = decode_tokens(self.tokenizer, ids, skip_special_tokens=not self.format.keep_special_tokens)
+        context = decode_tokens(self.tokenizer, sample.prompt_ids + sample.response_ids[:start])
         return self.format.parse(turn_text, context)
 
     async def _call(self, call: ToolCall) -> ToolResult:

@@ -370,11 +370,12 @@ class LlamaFamilyModel:
         Hugging Face parameters views into them.
 
         A decode step multiplies a few hundred rows by each matrix; at that size a matrix
-        product costs about the same whatever its width, so three (or two) products become one.
-        The parameters stay the model's own (views), so in-place weight updates, state-dict
-        names and the prefill path are unchanged. Layers whose projections differ in kind (bias
-        on some only, or an MLP without ``gate_proj``/``up_proj``) are left as they are.
-        Call again after the weights have been moved (``.to()`` replaces the views by copies).
+        product costs about the same whatever its width, so three (or two) products become one
+        (prefill and decode both use them). The parameters stay the model's own (views), so
+        in-place weight updates and state-dict names are unchanged. Layers whose projections
+        differ in kind (bias on some only, or an MLP without ``gate_proj``/``up_proj``) are left
+        as they are. :meth:`to` re-fuses after the weights have moved (``.to()`` replaces the
+        views by copies).
         """
         for layer in self.layers:
             projs = (layer.q_proj, layer.k_proj, layer.v_proj)
@@ -392,9 +393,14 @@ class LlamaFamilyModel:
                 layer.gate_up_weight = _fuse_rows([gate.weight, up.weight])
 
     def to(self, device: torch.device | str) -> None:
-        """Move the weights (``sleep(2)``/``wake_up``); the fused matrices follow."""
+        """Move the weights: to the CPU for ``sleep(2)`` (the fused matrices are dropped with
+        the device memory; nothing decodes while asleep) and back for ``wake_up`` (fused again)."""
         self.hf.to(device)
-        self.fuse_projections()
+        if torch.device(device).type == "cpu":
+            for layer in self.layers:
+                layer.qkv_weight = layer.qkv_bias = layer.gate_up_weight = None
+        else:
+            self.fuse_projections()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -444,9 +450,9 @@ class LlamaFamilyModel:
         return len(items)
 
     # -------------------------------------------------------------------------- forward
-    def _qkv(self, layer: _Layer, x: torch.Tensor, shape: tuple[int, ...], fused: bool = False):
+    def _qkv(self, layer: _Layer, x: torch.Tensor, shape: tuple[int, ...]):
         hd = self.head_dim
-        if fused and layer.qkv_weight is not None:
+        if layer.qkv_weight is not None:
             qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
             q, k, v = qkv.split([self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1)
             q, k, v = q.view(*shape, self.num_heads, hd), k.view(*shape, self.num_kv_heads, hd), v.view(
@@ -504,7 +510,7 @@ class LlamaFamilyModel:
                 h = h + layer.o_proj(attn)
                 if i == last_layer:  # only the last position of each prompt is needed from here on
                     h = h[rows, last_index]
-                h = h + layer.mlp(layer.post_norm(h))
+                h = h + self._mlp(layer, layer.post_norm(h))
         return self.lm_head(self.final_norm(h)).float()
 
     def decode(
@@ -578,7 +584,7 @@ class LlamaFamilyModel:
         with ``mask`` or, when ``mask`` is None, through the Triton kernel."""
         n = h.shape[0]
         x = layer.input_norm(h)
-        q, k, v = self._qkv(layer, x, (n,), fused=True)
+        q, k, v = self._qkv(layer, x, (n,))
         q = _rope(q, cos, sin)  # [n, H, hd]
         k = _rope(k, cos, sin)  # [n, KVH, hd]
         k_cache[rows, :, positions] = k.to(k_cache.dtype)
@@ -634,7 +640,7 @@ class KVCache:
 
     def allocate(self) -> None:
         # Always an inference tensor: the compiled decode layers guard on it, and a cache that
-        # came back as a different kind of tensor after sleep/wake recompiled them (~3 s).
+        # came back as a different kind of tensor after sleep/wake recompiled them (3-5 s on the H200).
         if self._buffer is None:
             with torch.inference_mode():
                 self._buffer = torch.zeros((2, self.n_layers, *self.shape), dtype=self.dtype, device=self.device)
@@ -1262,31 +1268,26 @@ class EmbeddedEngine:
     ) -> list[tuple[Sequence, GenerateOutput]]:
         """Collect the outputs of ``rows_np`` (sorted row indices) and free their rows."""
         with torch.profiler.record_function("rlcli/engine/finish"):  # a named range in profiler traces
-            return self._collect(rows_np, reason, error)
-
-    def _collect(
-        self, rows_np: np.ndarray, reason: str | None, error: str | None
-    ) -> list[tuple[Sequence, GenerateOutput]]:
-        gens = self._h_gen[rows_np]
-        longest = int(gens.max()) if len(gens) else 0
-        if longest > 0:
-            idx = torch.as_tensor(rows_np, dtype=torch.int64).to(self.device, non_blocking=True)
-            toks = self._out_tok[idx, :longest].cpu().tolist()
-            lps = self._out_lp[idx, :longest].cpu().tolist()
-            vers = self._out_ver[idx, :longest].cpu().tolist()
-        else:
-            toks = lps = vers = [[] for _ in range(len(rows_np))]
-        out = []
-        for i, r in enumerate(rows_np.tolist()):
-            seq = self._rows[r]
-            g = int(gens[i])
-            tokens = toks[i][:g]
-            why = reason
-            if why is None:
-                why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
-            out.append((seq, GenerateOutput(tokens, lps[i][:g], vers[i][:g], why, error)))
-        self._compact(rows_np)
-        return out
+            gens = self._h_gen[rows_np]
+            longest = int(gens.max()) if len(gens) else 0
+            if longest > 0:
+                idx = torch.as_tensor(rows_np, dtype=torch.int64).to(self.device, non_blocking=True)
+                toks = self._out_tok[idx, :longest].cpu().tolist()
+                lps = self._out_lp[idx, :longest].cpu().tolist()
+                vers = self._out_ver[idx, :longest].cpu().tolist()
+            else:
+                toks = lps = vers = [[] for _ in range(len(rows_np))]
+            out = []
+            for i, r in enumerate(rows_np.tolist()):
+                seq = self._rows[r]
+                g = int(gens[i])
+                tokens = toks[i][:g]
+                why = reason
+                if why is None:
+                    why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
+                out.append((seq, GenerateOutput(tokens, lps[i][:g], vers[i][:g], why, error)))
+            self._compact(rows_np)
+            return out
 
     def _compact(self, finished_rows: np.ndarray) -> None:
         """Free ``finished_rows`` and move the last active rows into the holes, so that active

@@ -319,34 +319,19 @@ def clip_grad_norm_local(grads: list[torch.Tensor], max_norm: float, group: dist
     """
     if not grads:
         return 0.0
-    sharded, replicated = [], []
-    for g in grads:
-        if isinstance(g, DTensor):
-            (sharded if any(pl.is_shard() for pl in g.placements) else replicated).append(g.to_local())
-        else:
-            replicated.append(g)
-    dev = grads[0].device if not isinstance(grads[0], DTensor) else grads[0].to_local().device
-
-    def sq_sum(ts: list[torch.Tensor]) -> torch.Tensor:
-        if not ts:
-            return torch.zeros((), dtype=torch.float32, device=dev)
-        norms = torch._foreach_norm(ts) if dev.type == "cuda" else [torch.linalg.vector_norm(t) for t in ts]
-        return torch.stack([n.float() for n in norms]).square().sum()
-
-    total = sq_sum(sharded)
-    if group is not None and sharded:
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    sharded = [isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements) for g in grads]
+    sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).square()
+    is_sharded = torch.tensor(sharded, device=sq.device)
+    total = torch.where(is_sharded, sq, 0.0).sum()
+    if group is not None and any(sharded):
         dist.all_reduce(total, group=group)
-    norm = float((total + sq_sum(replicated)).sqrt())
+    norm = float((total + torch.where(is_sharded, 0.0, sq).sum()).sqrt())
     if math.isfinite(max_norm):
         # float32 arithmetic, as torch's clip_grad_norm_ does it on a float32 norm
         coef = float(np.float32(max_norm) / (np.float32(norm) + np.float32(1e-6)))
         if coef < 1.0:
-            local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-            if dev.type == "cuda":
-                torch._foreach_mul_(local, coef)
-            else:
-                for t in local:
-                    t.mul_(coef)
+            torch._foreach_mul_(local, coef)
     return norm
 
 
