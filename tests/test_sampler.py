@@ -100,3 +100,60 @@ def test_decode_tokens_equals_the_tokenizers_decode():
             assert decode_tokens(tok, ids, skip) == tok.decode(ids, skip_special_tokens=skip)
         tok.clean_up_tokenization_spaces = True  # what the fast path would skip: falls back to decode
         assert decode_tokens(tok, ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_decode_many_and_the_batcher_equal_decode_tokens(monkeypatch):
+    import asyncio
+
+    import rlcli.tokenizer as T
+
+    tok = T.builtin_tokenizer("arith")
+    seqs = [tok.encode(f"{i}+{i}={2 * i}") + [tok.eos_token_id] for i in range(40)]
+    for skip in (True, False):
+        assert T.decode_many(tok, seqs, skip) == [T.decode_tokens(tok, s, skip) for s in seqs]
+
+    calls = []
+    real = T.decode_many
+    monkeypatch.setattr(T, "decode_many", lambda t, s, skip=True: calls.append((len(s), skip)) or real(t, s, skip))
+    batcher = T.DecodeBatcher(tok)
+
+    async def one(i, skip):
+        await asyncio.sleep(0)  # all start in one turn of the loop, as the responses of one engine step
+        return await batcher.decode(seqs[i], skip)
+
+    async def many():
+        return await asyncio.gather(*(one(i, i % 3 != 0) for i in range(len(seqs))))
+
+    texts = asyncio.run(many())
+    assert texts == [T.decode_tokens(tok, s, i % 3 != 0) for i, s in enumerate(seqs)]
+    assert sorted(calls) == [(14, False), (26, True)]  # one call per flag, not one per response
+    assert asyncio.run(many()) == texts  # a second event loop is served too
+    assert not batcher._pending
+
+
+def test_decode_batcher_hands_errors_to_every_waiter_and_survives_cancellation(monkeypatch):
+    import asyncio
+
+    import rlcli.tokenizer as T
+
+    batcher = T.DecodeBatcher(T.builtin_tokenizer("arith"))
+
+    def broken(tok, seqs, skip=True):
+        raise RuntimeError("tokenizer exploded")
+
+    async def failing():
+        return await asyncio.gather(batcher.decode([5]), batcher.decode([6]), return_exceptions=True)
+
+    monkeypatch.setattr(T, "decode_many", broken)
+    errors = asyncio.run(failing())
+    assert [str(e) for e in errors] == ["tokenizer exploded"] * 2
+    monkeypatch.undo()
+
+    async def cancelled_one():
+        doomed = asyncio.ensure_future(batcher.decode([5]))
+        kept = asyncio.ensure_future(batcher.decode([6]))
+        await asyncio.sleep(0)
+        doomed.cancel()
+        return await kept
+
+    assert asyncio.run(cancelled_one()) == T.decode_tokens(batcher.tok, [6])

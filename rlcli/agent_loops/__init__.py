@@ -15,13 +15,12 @@ import hashlib
 import time
 from typing import Any, ClassVar
 
-import torch
 from pydantic import Field
 
 from rlcli import hookimpl
 from rlcli.backends.base import GenerateRequest, InferenceBackend
 from rlcli.component import Component, ComponentConfig
-from rlcli.tokenizer import decode_tokens
+from rlcli.tokenizer import DecodeBatcher
 from rlcli.types import Sample, SampleParams, Status, status_from_finish_reason
 
 
@@ -44,6 +43,7 @@ class AgentLoop(Component):
                  eos_token_ids: list[int], seed: int, salt: str = ""):
         super().__init__(config)
         self.backend, self.judge_pool, self.tokenizer = backend, judge_pool, tokenizer
+        self.decoder = DecodeBatcher(tokenizer)  # the responses one engine step finished: one batch decode
         self.eos = set(eos_token_ids)
         self.seed, self.salt = seed, salt
 
@@ -91,8 +91,7 @@ class SingleTurnAgentLoop(AgentLoop):
         sample.finish_reason = reason
         sample.status = status_from_finish_reason(reason)
         if sample.status != Status.ABORTED:
-            with torch.profiler.record_function("rlcli/agent/decode"):  # a named range in profiler traces
-                sample.response = decode_tokens(self.tokenizer, sample.response_ids)
+            sample.response = await self.decoder.decode(sample.response_ids)
         if sample.status == Status.COMPLETED:
             await self.judge_pool.judge(sample)
         return sample
