@@ -282,7 +282,7 @@ def decode_attention(
     *,
     num_splits: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per row over a slotted KV cache; returns ``[n, H, hd]`` in ``q``'s dtype.
@@ -297,8 +297,11 @@ def decode_attention(
     ``num_splits`` forces the split of the key axis (default :func:`choose_num_splits`),
     ``block_n`` the keys per inner block (a power of two >= 16), ``num_warps`` / ``num_stages``
     the Triton launch parameters of the main kernel (``num_stages`` is the depth of the
-    software pipeline of the key loop: 3 by default for 16-bit inputs and head dims up to 64,
-    2 otherwise, which keeps several programs resident per SM).
+    software pipeline of the key loop). Defaults: with one split, 16-bit inputs and head dims
+    up to 64 (many rows, e.g. a rollout batch), 2 warps and 2 stages, which keep more programs
+    resident per SM - on the H200, 512 rows at positions 64-320: 15.7 us against 17.4 us with
+    4 warps and 3 stages (``benchmarks/decode_attention.py --sweep``, 2026-12-02); otherwise 4
+    warps, and 3 stages for 16-bit inputs with head dims up to 64, 2 for the rest.
     """
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [n, H, hd] and caches [R, KVH, Lmax, hd], got {tuple(q.shape)}, "
@@ -332,14 +335,17 @@ def decode_attention(
     wide = q.dtype == torch.float32 or block_d > 128
     if block_n is None:
         block_n = BLOCK_N // 2 if wide else BLOCK_N
-    if num_stages is None:
-        num_stages = 3 if not wide and block_d <= 64 else 2
     if block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
     if num_splits is None:
         num_splits = choose_num_splits(n, kv_heads, key_len, _sm_count(q.device))
     if num_splits < 1:
         raise ValueError(f"num_splits must be positive, got {num_splits}")
+    many_rows = num_splits == 1 and not wide and block_d <= 64
+    if num_warps is None:
+        num_warps = 2 if many_rows else 4
+    if num_stages is None:
+        num_stages = 2 if many_rows or wide or block_d > 64 else 3
 
     interpret = _interpreting()
     kernels = _kernels(interpret)
