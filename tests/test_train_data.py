@@ -398,3 +398,16 @@ def test_row_dynamic_compilation_matches_eager_and_compiles_once():
     logits = torch.randn(6, 50, generator=g).to(torch.bfloat16)
     stats(logits, torch.randint(0, 50, (6,), generator=g), torch.rand(6, generator=g) + 0.5, True)  # same kinds of arguments
     assert counters["frames"]["ok"] == 3
+
+
+def test_lazy_list_builds_each_item_once_on_first_use():
+    from rlcli.train.data import LazyList
+
+    calls = []
+    items = LazyList([lambda i=i: calls.append(i) or i * 10 for i in range(4)])
+    assert len(items) == 4 and calls == []
+    assert items[2] == 20 and items[-1] == 30 and calls == [2, 3]
+    assert list(items) == [0, 10, 20, 30] and items[1:3] == [10, 20]
+    assert calls == [2, 3, 0, 1]  # nothing built twice
+    with pytest.raises(IndexError):
+        items[4]

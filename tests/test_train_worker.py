@@ -200,14 +200,14 @@ def test_grad_clipping_on_local_shards_matches_the_full_gradient(model_dir, max_
     assert grads and all(isinstance(g, DTensor) for g in grads)  # FSDP's sharded gradients
     full = [g.full_tensor().clone() for g in grads]
     want = torch.cat([f.flatten() for f in full]).norm().item()
-    got = clip_grad_norm_local(grads, max_norm, None)
+    got = float(clip_grad_norm_local(grads, max_norm, None))
     assert got == pytest.approx(want, rel=1e-5)
     scale = min(1.0, max_norm / (want + 1e-6))
     for g, f in zip(grads, full):
         assert torch.allclose(g.full_tensor(), f * scale, rtol=1e-5, atol=0)
     # plain tensors (replicated), and a non-finite gradient reports a non-finite norm
     plain = [torch.tensor([3.0, 4.0]), torch.tensor([12.0])]
-    assert clip_grad_norm_local(plain, 6.5, None) == pytest.approx(13.0)
+    assert float(clip_grad_norm_local(plain, 6.5, None)) == pytest.approx(13.0)
     assert torch.allclose(torch.cat(plain), torch.tensor([1.5, 2.0, 6.0]), rtol=1e-5)
     assert not math.isfinite(clip_grad_norm_local([torch.tensor([float("nan")])], 1.0, None))
 
@@ -227,6 +227,57 @@ def test_nan_advantage_skips_the_step(model_dir):
     assert w.optimizer_steps_done == 1  # the schedule still advances
     seqs[3].advantage = 1.0
     assert w.train_step(seqs)["train/skipped_steps"] == 0
+
+
+def _moments(worker) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, p in enumerate(worker.model.parameters()):
+        for k, v in worker.optimizer.state.get(p, {}).items():
+            out[f"{i}.{k}"] = (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+    return out
+
+
+def test_optimizer_step_on_local_shards_equals_adamw_step(model_dir, monkeypatch):
+    import rlcli.train.worker as W
+
+    taken = []
+    real = W.adamw_step_local
+    monkeypatch.setattr(W, "adamw_step_local", lambda opt, inf: taken.append(real(opt, inf)) or taken[-1])
+    fast = make_worker(model_dir, max_grad_norm=0.05)
+    slow = make_worker(model_dir, max_grad_norm=0.05)
+    batches = [make_batch(n=16, seed=s) for s in range(3)]
+    for seqs in batches:
+        ma = fast.train_step(seqs)
+        monkeypatch.setattr(W, "adamw_step_local", lambda opt, inf: False)  # torch's own AdamW.step()
+        mb = slow.train_step(seqs)
+        monkeypatch.setattr(W, "adamw_step_local", lambda opt, inf: taken.append(real(opt, inf)) or taken[-1])
+        assert ma["train/loss"] == mb["train/loss"] and ma["train/grad_norm"] == mb["train/grad_norm"]
+    assert taken == [False, True, True]  # the first step creates the moments the usual way
+    sa, sb = state(fast), state(slow)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)  # bit for bit
+    ma, mb = _moments(fast), _moments(slow)
+    assert ma.keys() == mb.keys() and ma and all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_a_non_finite_step_after_the_first_is_skipped_on_the_device(model_dir):
+    w, ref = make_worker(model_dir), make_worker(model_dir)
+    good, bad = make_batch(n=8, seed=1), make_batch(n=8, seed=2)
+    bad[3].advantage = float("nan")
+    for x in (w, ref):
+        x.train_step(good)
+    before, moments = state(w), _moments(w)
+    m = w.train_step(bad)
+    assert m["train/skipped_steps"] == 1 and math.isnan(m["train/loss"])
+    after = state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(torch.equal(v, _moments(w)[k]) for k, v in moments.items())  # the step count too
+    assert all(p.grad is None for p in w.model.parameters())
+    # the skipped step left no trace: the next update is the one a run without it makes
+    ref.scheduler.step()  # the schedule advances on a skipped step
+    w.train_step(good)
+    ref.train_step(good)
+    sa, sb = state(w), state(ref)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_no_valid_tokens_is_a_no_op(model_dir):
@@ -632,3 +683,18 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
         for key in ("train/loss", "train/grad_norm", "train/tokens", "train/sequences", "train/kl_ref",
                     "mismatch/masked_frac", "mismatch/kl", "mismatch/is_max", "mismatch/log_ppl_diff", "mismatch/ess"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_micro_batches_are_built_when_first_used_and_only_once(model_dir, monkeypatch):
+    import rlcli.train.worker as W
+
+    w = make_worker(model_dir, pack_max_length=16)
+    built = []
+    real = W.build_micro_batch
+    monkeypatch.setattr(W, "build_micro_batch", lambda *a, **k: built.append(1) or real(*a, **k))
+    seqs = make_batch(n=12)
+    (mbs,) = w._micro_batches(seqs, [list(range(12))])
+    assert len(mbs) > 2 and not built
+    m = w.train_step(seqs)
+    assert len(built) == m["train/micro_batches"]
+    assert m["train/tokens"] == sum(s.num_valid for s in seqs)

@@ -29,8 +29,9 @@ short sequences, padded is ~100x cheaper on CPU).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
 import numpy as np
 import torch
@@ -259,8 +260,35 @@ class MicroBatch:
         return int(self.labels.numel())
 
     def to(self, device: torch.device) -> "MicroBatch":
-        kw = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        """A copy on ``device``. To a GPU the tensors go through pinned memory, so the copies are
+        queued behind the device's work instead of waiting for it."""
+        pin = device.type == "cuda"
+        kw = {k: ((v.pin_memory() if pin else v).to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+              for k, v in vars(self).items()}
         return MicroBatch(**kw)
+
+
+T = TypeVar("T")
+
+
+class LazyList(Sequence, Generic[T]):
+    """A list whose item ``i`` is ``makers[i]()``, called on first access and kept."""
+
+    def __init__(self, makers: list[Callable[[], T]]):
+        self._makers: list[Callable[[], T] | None] = list(makers)
+        self._items: list[T | None] = [None] * len(makers)
+        self._done = [False] * len(makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not self._done[i]:  # IndexError past the end, as a list
+            self._items[i] = self._makers[i]()
+            self._makers[i], self._done[i] = None, True
+        return self._items[i]
 
 
 def build_micro_batch(seqs: list[TrainSequence], pack: Pack, layout: Layout, pad_id: int = 0) -> MicroBatch:
