@@ -589,7 +589,7 @@ class TrainWorker:
         return self.ref_model
 
     # ------------------------------------------------------------------------ batches
-    def _micro_batches(self, seqs: list[TrainSequence], groups: list[list[int]]) -> list[list[MicroBatch]]:
+    def _micro_batches(self, seqs: list[TrainSequence], groups: list[list[int]]) -> list[LazyList[MicroBatch]]:
         """Pack each index group; every rank gets the same number of micro-batches per group.
 
         A micro-batch's tensors are built (and copied to the device) when it is first used, so
