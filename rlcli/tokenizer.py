@@ -135,9 +135,10 @@ class DecodeBatcher:
 
     ``await batcher.decode(ids)`` queues the ids; the coroutines that ask in the same turn of the
     event loop (the responses that one engine step finished, all resumed together) are decoded
-    by one :func:`decode_many` call on the next turn. At the end of a rollout that is 512
-    responses in one call spread over the cores, instead of 512 calls one after another on one
-    core while the GPU waits. A failing decode fails every caller of its batch with the error."""
+    by one :func:`decode_many` call on the next turn, spread over the cores, instead of one call
+    per response one after another on one core while the GPU waits (the responses of a rollout
+    that all end at the same step make one batch). A failing decode fails every caller of its
+    batch with the error."""
 
     def __init__(self, tok: PreTrainedTokenizerBase):
         self.tok = tok

@@ -260,8 +260,8 @@ class MicroBatch:
         return int(self.labels.numel())
 
     def to(self, device: torch.device) -> "MicroBatch":
-        """A copy on ``device``. To a GPU the tensors go through pinned memory, so the copies are
-        queued behind the device's work instead of waiting for it."""
+        """A copy on ``device``. To a GPU the tensors go through pinned memory, so that each copy is
+        asynchronous (from pageable memory CUDA may make the host wait for it)."""
         pin = device.type == "cuda"
         kw = {k: ((v.pin_memory() if pin else v).to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
               for k, v in vars(self).items()}
@@ -275,9 +275,8 @@ class LazyList(Sequence, Generic[T]):
     """A list whose item ``i`` is ``makers[i]()``, called on first access and kept."""
 
     def __init__(self, makers: list[Callable[[], T]]):
-        self._makers: list[Callable[[], T] | None] = list(makers)
+        self._makers: list[Callable[[], T] | None] = list(makers)  # None once built
         self._items: list[T | None] = [None] * len(makers)
-        self._done = [False] * len(makers)
 
     def __len__(self) -> int:
         return len(self._makers)
@@ -285,9 +284,9 @@ class LazyList(Sequence, Generic[T]):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        if not self._done[i]:  # IndexError past the end, as a list
-            self._items[i] = self._makers[i]()
-            self._makers[i], self._done[i] = None, True
+        make = self._makers[i]  # IndexError past the end, as a list
+        if make is not None:
+            self._items[i], self._makers[i] = make(), None
         return self._items[i]
 
 

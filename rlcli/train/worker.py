@@ -322,13 +322,17 @@ def clip_grad_norm_local(grads: list[torch.Tensor], max_norm: float, group: dist
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     local = [_local(g) for g in grads]
-    sharded = [isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements) for g in grads]
-    sq = torch.stack([n.float() for n in torch._foreach_norm(local)]).square()
-    is_sharded = torch.tensor(sharded, device=sq.device)
-    total = torch.where(is_sharded, sq, 0.0).sum()
-    if group is not None and any(sharded):
+    sharded, replicated = [], []  # the norms, split by placement (no host-to-device copy of a mask)
+    for g, n in zip(grads, torch._foreach_norm(local)):
+        (sharded if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements) else replicated).append(n)
+
+    def sq_sum(ns: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack(ns).float().square().sum() if ns else torch.zeros((), device=local[0].device)
+
+    total = sq_sum(sharded)
+    if group is not None and sharded:
         dist.all_reduce(total, group=group)
-    norm = (total + torch.where(is_sharded, 0.0, sq).sum()).sqrt()
+    norm = (total + sq_sum(replicated)).sqrt()
     if math.isfinite(max_norm):
         # float32 arithmetic, as torch's clip_grad_norm_ does it; a factor of exactly 1 changes nothing
         torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
@@ -349,7 +353,7 @@ def adamw_step_local(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) 
     kernel does not take (amsgrad, capturable, differentiable).
 
     AdamW is elementwise, so the update of each shard is the update of the whole, bit for bit,
-    and the moments stay the DTensors that checkpoints save. What it saves: DTensor dispatch of
+    and the moments stay the DTensors that checkpoints save. What it avoids: DTensor dispatch of
     the fused kernel over every parameter (host time, with the GPU idle), and the host sync that
     deciding "skip this step" on the host needs (the fused kernel's ``found_inf`` undoes the step
     count and leaves parameters and moments as they were).
@@ -593,8 +597,9 @@ class TrainWorker:
         """Pack each index group; every rank gets the same number of micro-batches per group.
 
         A micro-batch's tensors are built (and copied to the device) when it is first used, so
-        that building the next one overlaps the device's work on the previous one instead of
-        holding up the first forward (six 32k-token packs: ~20 ms of host time, GPU idle)."""
+        that building the next one can overlap the device's work on the previous one instead of
+        holding up the first forward (six 32k-token packs built up front: 23 ms of host time under
+        torch.profiler on the H200, the GPU idle for 17 ms of it)."""
         packs = [pack_balanced(seqs, self.cfg.pack_max_length, g) for g in groups]
         counts = [len(p) for p in packs]
         if self.world_size > 1:
