@@ -45,6 +45,11 @@ conformance
     (``torch.cuda.mem_get_info``: the kit reads ``memory_allocated``, blind to vLLM's sleep-mode
     pool and to SGLang's scheduler process).
 
+copies (a diagnostic, only when named)
+    Why greedy copies of one prompt differ in the kit's ``many_concurrent``: for each
+    ``--kit-variant NAME:KEY=VALUE,...`` one kit engine, whose greedy copies are compared inside the
+    check's whole load, sent together alone, and sent one at a time (``section_copies``).
+
 Output: ``RESULT {json}`` lines; with ``--out DIR``: ``results-<engine>.json`` and
 ``backends-<engine>.md`` (rows for docs/backends.md). ``--deadline-s`` (default 540) stops
 starting new work when the device call's 600 s limit comes close; what did not run says so.
@@ -85,7 +90,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -142,22 +147,23 @@ def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
     }[engine]
 
 
-def kit_settings(settings: dict) -> dict:
-    """The kit engines' backend settings with ``--kit-set`` applied on top."""
+def kit_settings(settings: dict, extra: Sequence[str] = ()) -> dict:
+    """The kit engines' backend settings with ``--kit-set`` (then ``extra``) applied on top."""
     from rlcli.overrides import apply_overrides
 
-    return apply_overrides(settings, KIT_SET)
+    return apply_overrides(settings, [*KIT_SET, *extra])
 
 
-def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.dtype]:
-    """``(make_backend, kit options, dtype)`` for the tiny conformance models."""
+def conformance_setup(engine: str, device: str, extra: Sequence[str] = ()) -> tuple[Callable, dict, torch.dtype]:
+    """``(make_backend, kit options, dtype)`` for the tiny conformance models (``extra``: more
+    ``KEY=VALUE`` settings on top of ``--kit-set``)."""
     from rlcli.testing import backend_conformance as bc
 
     if engine == "embedded":
         from rlcli.backends.embedded import EmbeddedBackend
 
         dtype = torch.float32
-        cfg = EmbeddedBackend.Config(**kit_settings({"max_batch_size": 64}))
+        cfg = EmbeddedBackend.Config(**kit_settings({"max_batch_size": 64}, extra))
         return (lambda d: EmbeddedBackend(cfg, bc.default_context(d, device=device, dtype=dtype))), {}, dtype
     mod = importlib.import_module(PLUGIN_MODULES[engine])
     if engine == "vllm":
@@ -173,7 +179,7 @@ def conformance_setup(engine: str, device: str) -> tuple[Callable, dict, torch.d
     else:
         cls, dtype = mod.LMDeployBackend, torch.bfloat16
         settings = dict(cache_max_entry_count=0.25, max_model_len=512, max_batch_size=256)
-    cfg = cls.Config(**kit_settings(settings))
+    cfg = cls.Config(**kit_settings(settings, extra))
     return (lambda d: cls(cfg, bc.default_context(d, device=device, dtype=dtype))), bc.engine_options(dtype), dtype
 
 
@@ -182,7 +188,9 @@ BY_DESIGN = {
     "vllm": {"logprobs_match_forward": "vLLM renormalises over top-k/top-p in processed_logprobs mode",
              "sleep_wake": "memory_allocated() does not see vLLM's sleep-mode memory pool"},
     "sglang": {"sleep_wake": "memory_allocated() does not see SGLang's scheduler process",
-               "seeded_sampling_batch_invariant": "request seeds are off by default (flashinfer sampling)"},
+               "seeded_sampling_batch_invariant": "request seeds are off by default (flashinfer sampling)",
+               "many_concurrent": "without use_request_seeds (deterministic mode), SGLang's kernels depend on the "
+                                  "batch: greedy copies can part at a near tie (--sections copies)"},
     "lmdeploy": {"logprobs_match_forward": "LMDeploy returns temperature-1 logprobs",
                  "sleep_wake": "memory_allocated() does not see memory freed by LMDeploy's offload"},
 }
@@ -555,6 +563,109 @@ def section_conformance(engine: str, root: Path) -> None:
     run_check("sleep_releases_device_memory", lambda: sleep_releases_memory(make_backend, a))
 
 
+KIT_VARIANTS: list[tuple[str, list[str]]] = []  # --kit-variant NAME:KEY=VALUE,...: the copies section's engines
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``"name:a.b=1,c=true"`` -> ``("name", ["a.b=1", "c=true"])``; ``"base:"`` has no settings."""
+    name, sep, rest = text.partition(":")
+    sets = [x.strip() for x in rest.split(",") if x.strip()]
+    if not sep or not name.strip() or any("=" not in x for x in sets):
+        raise ValueError(f"--kit-variant {text!r}: expected NAME:KEY=VALUE[,KEY=VALUE...] (or NAME: for none)")
+    return name.strip(), sets
+
+
+def copies_summary(prompts: list[list[int]], outputs: dict[tuple, list[list[int]]]) -> dict:
+    """How far the greedy copies of each prompt agree: prompts whose copies differ, the most
+    distinct outputs one prompt had, the earliest position where two copies part, and one example."""
+    diverging, most, first, example = 0, 1, None, None
+    for p in prompts:
+        outs = outputs[tuple(p)]
+        distinct = {tuple(o) for o in outs}
+        most = max(most, len(distinct))
+        if len(distinct) > 1:
+            diverging += 1
+            a = outs[0]
+            for b in (o for o in outs if o != a):
+                pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                first = pos if first is None else min(first, pos)
+                example = example or {"prompt": p, "a": a, "b": b}
+    return {"prompts": len(prompts), "diverging": diverging, "most_distinct": most,
+            "earliest_divergence": first, "example": example}
+
+
+def section_copies(engine: str, root: Path) -> None:
+    """Why greedy copies of one prompt differ in ``many_concurrent`` (a diagnostic). For each
+    ``--kit-variant`` (default: the kit's settings alone), one kit engine on the tiny model, then:
+
+    * ``mixed``: ``many_concurrent``'s whole load (320 concurrent requests, 10 greedy prompts x 8
+      copies among sampled ones), the greedy copies compared per prompt;
+    * ``alone``: each greedy prompt's 8 copies sent concurrently with nothing else;
+    * ``serial``: each greedy prompt sent 8 times, one request at a time.
+
+    Copies that differ only under ``mixed`` depend on the batch around them; a variant whose copies
+    agree names the cause it removes (e.g. SGLang's ``enable_deterministic_inference``, its
+    batch-invariant kernels)."""
+    from rlcli.backends.base import GenerateRequest
+    from rlcli.testing import backend_conformance as bc
+    from rlcli.types import SampleParams
+
+    device = "cuda" if gs.DEVICE == "cuda" else "cpu"
+    spec = {} if gs.DEVICE != "cuda" else dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                               intermediate_size=512)
+    a, _ = bc.make_tiny_model_dirs(root / "kit-copies", arch="qwen2", **spec)
+    for name, sets in KIT_VARIANTS or [("kit", [])]:
+        if time_left() < 90:
+            result(what="copies", engine=engine, variant=name, settings=sets, error="not run: time budget")
+            continue
+        t0 = time.perf_counter()
+        backend = None
+        try:
+            make_backend, _, _ = conformance_setup(engine, device, sets)
+            backend = make_backend(a)
+            build_s = time.perf_counter() - t0
+
+            async def go(backend=backend):
+                eos = list(backend.ctx.eos_token_ids or [])
+                ps, jobs = bc.many_concurrent_jobs(a, eos)
+                greedy = [p for i, p in enumerate(ps) if i % 4 == 0]
+                repeat = sum(1 for p, kw in jobs if p is greedy[0])
+                params = [SampleParams(**kw) for _, kw in jobs]
+                outs = await asyncio.gather(*(backend.generate(GenerateRequest(list(p), sp))
+                                              for (p, _), sp in zip(jobs, params)))
+                mixed: dict[tuple, list[list[int]]] = {}
+                for (p, kw), o in zip(jobs, outs):
+                    if kw["temperature"] == 0.0:
+                        mixed.setdefault(tuple(p), []).append(list(o.token_ids))
+                max_tokens = next(kw["max_tokens"] for _, kw in jobs if kw["temperature"] == 0.0)
+                greedy_sp = SampleParams(temperature=0.0, max_tokens=max_tokens)
+                alone: dict[tuple, list[list[int]]] = {}
+                serial: dict[tuple, list[list[int]]] = {}
+                for p in greedy:
+                    got = await asyncio.gather(*(backend.generate(GenerateRequest(list(p), greedy_sp))
+                                                 for _ in range(repeat)))
+                    alone[tuple(p)] = [list(o.token_ids) for o in got]
+                    serial[tuple(p)] = [list((await backend.generate(GenerateRequest(list(p), greedy_sp))).token_ids)
+                                        for _ in range(repeat)]
+                # does the mixed load's first copy match the prompt served alone?
+                solo_differs = sum(mixed[tuple(p)][0] != serial[tuple(p)][0] for p in greedy)
+                return {"mixed": copies_summary(greedy, mixed), "alone": copies_summary(greedy, alone),
+                        "serial": copies_summary(greedy, serial), "mixed_first_copy_vs_serial_differs": solo_differs}
+
+            summary = asyncio.run(go())
+            result(what="copies", engine=engine, variant=name, settings=sets, build_s=round(build_s, 1),
+                   seconds=round(time.perf_counter() - t0, 1), **summary)
+        except Exception:
+            result(what="copies", engine=engine, variant=name, settings=sets, error=traceback.format_exc()[-2000:])
+        finally:
+            if backend is not None:
+                try:
+                    backend.shutdown()
+                except Exception:
+                    result(what="copies_shutdown", engine=engine, variant=name, error=traceback.format_exc()[-1000:])
+            gc.collect()
+
+
 # ------------------------------------------------------------------------------------------
 # Output
 # ------------------------------------------------------------------------------------------
@@ -605,6 +716,18 @@ def markdown(engine: str, env: dict) -> str:
     for r in checks:
         lines.append(f"| {r['check']} | {r['status']} | {r.get('detail', '').replace('|', '/')} | "
                      f"{r.get('by_design', '')} |")
+    if by.get("copies"):
+        lines += ["", "Greedy copies (prompts whose 8 copies differ, of 10; most distinct outputs; earliest position "
+                  "they part):", "", "| variant | settings | mixed load | copies alone | one at a time | build s |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for r in by["copies"]:
+            if "error" in r:
+                lines.append(f"| {r['variant']} | {', '.join(r['settings'])} | error: "
+                             f"{str(r['error']).strip().splitlines()[-1][:150].replace('|', '/')} | | | |")
+                continue
+            cell = [f"{r[k]['diverging']} / {r[k]['prompts']}, {r[k]['most_distinct']}, "
+                    f"{r[k]['earliest_divergence']}" for k in ("mixed", "alone", "serial")]
+            lines.append(f"| {r['variant']} | {', '.join(r['settings'])} | {' | '.join(cell)} | {r['build_s']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -612,7 +735,7 @@ def main() -> None:
     global DEADLINE_S, HOST_PROFILE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=ENGINES, required=True)
-    ap.add_argument("--sections", default="run,conformance", help="comma-separated: run, conformance")
+    ap.add_argument("--sections", default="run,conformance", help="comma-separated: run, conformance, copies (a diagnostic, not run by default)")
     ap.add_argument("--out", type=Path, help="write results-<engine>.json and backends-<engine>.md here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
     ap.add_argument("--host-profile", action="store_true",
@@ -622,11 +745,18 @@ def main() -> None:
     ap.add_argument("--kit-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend setting of the conformance kit's engines, on top of the script's (repeatable; "
                          "dotted keys, YAML values), e.g. engine_kwargs.disable_radix_cache=true")
+    ap.add_argument("--kit-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                    help="for --sections copies: one kit engine per variant, with these settings on top of "
+                         "--kit-set (repeatable; 'NAME:' for none), e.g. no_radix:engine_kwargs.disable_radix_cache=true")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="start no new work after this many seconds")
     args = ap.parse_args()
     DEADLINE_S = args.deadline_s
     CHECKS[:] = [c.strip() for c in args.checks.split(",") if c.strip()]
     KIT_SET[:] = args.kit_set
+    try:
+        KIT_VARIANTS[:] = [parse_variant(v) for v in args.kit_variant]
+    except ValueError as exc:
+        ap.error(str(exc))
     HOST_PROFILE = (args.out or Path(".")) if args.host_profile else None
     from rlcli.testing import backend_conformance as bc
 
@@ -634,7 +764,7 @@ def main() -> None:
     if set(CHECKS) - set(known):
         ap.error(f"--checks: unknown {sorted(set(CHECKS) - set(known))}; known: {', '.join(known)}")
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    unknown = set(sections) - {"run", "conformance"}
+    unknown = set(sections) - {"run", "conformance", "copies"}
     if unknown:
         ap.error(f"unknown section(s): {', '.join(sorted(unknown))}")
     if args.tiny:
@@ -661,7 +791,7 @@ def main() -> None:
            "sections": sections, **({"kit_set": list(KIT_SET)} if KIT_SET else {})}
     result(what="env", **env)
     root = Path(tempfile.mkdtemp(prefix=f"backends-{args.engine}-"))
-    for name, fn in (("run", section_run), ("conformance", section_conformance)):
+    for name, fn in (("run", section_run), ("conformance", section_conformance), ("copies", section_copies)):
         if name not in sections:
             continue
         if time_left() < 60:
@@ -671,7 +801,7 @@ def main() -> None:
         try:
             fn(args.engine, root)
         except Exception:
-            result(what="grpo" if name == "run" else name, engine=args.engine, error=traceback.format_exc()[-3000:])
+            result(what={"run": "grpo"}.get(name, name), engine=args.engine, error=traceback.format_exc()[-3000:])
         print(f"[{name}] done in {time.perf_counter() - t:.1f}s", flush=True)
     table = markdown(args.engine, env)
     print(table, flush=True)

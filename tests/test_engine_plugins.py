@@ -411,6 +411,34 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
 
 
+def test_benchmark_copies_diagnostic(bench, tmp_path, monkeypatch):
+    """``--sections copies``: variants parse, the summary counts parting copies, and the section runs
+    each variant's engine through the three loads and reports them in the markdown."""
+    assert bench.parse_variant("base:") == ("base", [])
+    assert bench.parse_variant("nr:engine_kwargs.disable_radix_cache=true, batch_requests=true") == (
+        "nr", ["engine_kwargs.disable_radix_cache=true", "batch_requests=true"])
+    for bad in ("noname", ":a=1", "x:a"):
+        with pytest.raises(ValueError, match="--kit-variant"):
+            bench.parse_variant(bad)
+    s = bench.copies_summary([[1], [2], [3]], {(1,): [[5, 6, 7]] * 3, (2,): [[5, 6, 7], [5, 6, 8], [5, 9, 7]],
+                                               (3,): [[4, 4], [4, 4, 4]]})
+    assert (s["prompts"], s["diverging"], s["most_distinct"], s["earliest_divergence"]) == (3, 2, 3, 1)
+    assert s["example"] == {"prompt": [2], "a": [5, 6, 7], "b": [5, 6, 8]}
+
+    monkeypatch.setattr(bench, "RESULTS", [])
+    monkeypatch.setattr(bench, "KIT_VARIANTS", [("base", []), ("mb4", ["max_batch_size=4"]), ("bad", ["nope=1"])])
+    bench.section_copies("embedded", tmp_path)
+    got = {r["variant"]: r for r in bench.RESULTS if r["what"] == "copies"}
+    for name in ("base", "mb4"):  # the embedded engine's copies agree under every load
+        assert [got[name][k]["diverging"] for k in ("mixed", "alone", "serial")] == [0, 0, 0], got[name]
+        assert got[name]["mixed"]["prompts"] == 10
+    assert "nope" in got["bad"]["error"]  # a variant that cannot build is reported, the others ran
+    env = {"date": "2026-12-02", "device": "CPU", "torch": "2", "commit": "abc", "engine_version": "rlcli 0.1.0"}
+    md = bench.markdown("embedded", env)
+    assert "| mb4 | max_batch_size=4 | 0 / 10, 1, None | 0 / 10, 1, None | 0 / 10, 1, None |" in md
+    assert "| bad | nope=1 | error: " in md
+
+
 def test_shared_runtime_passes_the_kit_with_reused_backends(kit_dirs):
     """The engine runtime serves consecutive checks from one backend (each check runs on a new
     event loop), as benchmarks/backends.py runs the kit against engines with a slow start-up."""

@@ -3,6 +3,7 @@
 The conformance kit runs with every check but ``sleep_wake``, whose CUDA part reads
 ``torch.cuda.memory_allocated()`` of this process and cannot see the memory of SGLang's scheduler
 process; the plugin check below reads free device memory (``torch.cuda.mem_get_info``) instead.
+``many_concurrent`` compares greedy copies of a prompt only in SGLang's deterministic mode (below).
 ``RLCLI_GPU_TEST_DTYPE`` (default bfloat16; float16 also works) picks the engine dtype. float32 is
 refused by the plugin: SGLang 0.5.17's fused RMSNorm (sgl-kernel) has no float32 path. The kit's
 tolerances are loosened for 16-bit kernels against its float32 CPU reference.
@@ -27,6 +28,11 @@ KIT_SKIP = ["sleep_wake"]
 # differ by bf16 rounding, and a paused-then-continued sequence need not match token for token.
 KIT_OPTIONS = bc.engine_options(DTYPE)
 KIT_SKIP += ["seeded_sampling_batch_invariant"]  # use_request_seeds is off by default (deterministic mode)
+# SGLang's default kernels compute a sequence differently beside different neighbours: in the kit's
+# 320-request load, greedy copies of one prompt parted at a near tie (1 prompt of 10), while alone,
+# one at a time, and with enable_deterministic_inference they agreed (H200, 2026-12-02,
+# benchmarks/backends.py --sections copies). The copies are compared in deterministic mode below.
+KIT_OPTIONS["many_concurrent"] = {**KIT_OPTIONS.get("many_concurrent", {}), "copies_agree": False}
 
 
 def make_backend(model_dir, **options):
@@ -51,6 +57,13 @@ def test_seeded_sampling_in_deterministic_mode(dirs):
         return make_backend(model_dir, use_request_seeds=True)
 
     bc.check_seeded_sampling_batch_invariant(make, dirs[0])
+
+
+def test_greedy_copies_agree_in_deterministic_mode(dirs):
+    def make(model_dir):
+        return make_backend(model_dir, use_request_seeds=True)
+
+    bc.check_many_concurrent(make, dirs[0], batch_invariant=False)
 
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
