@@ -717,8 +717,8 @@ def markdown(engine: str, env: dict) -> str:
         lines.append(f"| {r['check']} | {r['status']} | {r.get('detail', '').replace('|', '/')} | "
                      f"{r.get('by_design', '')} |")
     if by.get("copies"):
-        lines += ["", "Greedy copies (prompts whose 8 copies differ, of 10; most distinct outputs; earliest position "
-                  "they part):", "", "| variant | settings | mixed load | copies alone | one at a time | build s |",
+        lines += ["", "Greedy copies (prompts whose copies differ / greedy prompts; most distinct outputs of one "
+                  "prompt; earliest position two copies part):", "", "| variant | settings | mixed load | copies alone | one at a time | build s |",
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in by["copies"]:
             if "error" in r:
@@ -735,7 +735,8 @@ def main() -> None:
     global DEADLINE_S, HOST_PROFILE
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=ENGINES, required=True)
-    ap.add_argument("--sections", default="run,conformance", help="comma-separated: run, conformance, copies (a diagnostic, not run by default)")
+    ap.add_argument("--sections", default="run,conformance",
+                    help="comma-separated: run, conformance, copies (a diagnostic, not run by default)")
     ap.add_argument("--out", type=Path, help="write results-<engine>.json and backends-<engine>.md here")
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
     ap.add_argument("--host-profile", action="store_true",
