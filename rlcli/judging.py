@@ -318,6 +318,7 @@ class _Proc:
             child_conn.close()  # so that the worker's death reads as EOF here
         self.next_id = 0
         self.closed = False
+        self.returncode: int | None = None  # kept by reap(): a closed Process no longer tells it
 
     def alive(self) -> bool:
         return not self.closed and self.process.is_alive()
@@ -346,6 +347,7 @@ class _Proc:
             self.process.join(timeout)
             if self.process.exitcode is None:
                 return False
+            self.returncode = self.process.exitcode
             self.process.close()
         except (ValueError, AssertionError, OSError):
             pass
@@ -377,10 +379,13 @@ async def _readable(conn: Any, timeout: float | None) -> None:
         loop.remove_reader(fd)
 
 
-async def _exitcode(proc: _Proc, wait_s: float = 2.0) -> int | None:
+async def _exitcode(proc: _Proc, wait_s: float = 5.0) -> int | None:
+    """The worker's exit code, waiting up to ``wait_s`` for it to be known (the forkserver reports
+    it a little after the pipe's EOF; only a crash waits here). Another call's ``_boot`` may reap
+    the worker meanwhile (``_reap``); the code is then the one it kept."""
     deadline = time.monotonic() + wait_s
     while True:
-        code = None if proc.closed else proc.process.exitcode
+        code = proc.returncode if proc.closed else proc.process.exitcode
         if code is not None or time.monotonic() > deadline:
             return code
         await asyncio.sleep(0.01)

@@ -369,6 +369,23 @@ def test_process_timeout_kills_and_replaces_the_worker():
         pool.close()
 
 
+def test_crash_reason_survives_a_concurrent_reap():
+    """A worker's crash is reported with its exit status even when another call's worker start-up
+    reaps the dead worker first. (Once, under the full suite's load, the crash test below read
+    'exit status unknown' instead of 'killed by SIGSEGV'; such a reap is a way to get there.)"""
+    from rlcli.judging import _exit_reason, _exitcode, _Proc
+
+    pool = pool_for(ScriptedJudger(), "process", workers=1, timeout_s=10)
+    try:
+        proc = _Proc(pool._ctx, pool._judger_bytes)
+        proc.process.kill()
+        proc.process.join(10)
+        assert proc.reap(0.0) and proc.closed  # as JudgePool._reap in a concurrent _boot
+        assert _exit_reason(run(_exitcode(proc, wait_s=0.1))) == "judger worker process crashed (killed by SIGKILL)"
+    finally:
+        pool.close()
+
+
 def test_process_crash_fails_only_that_sample():
     pool = pool_for(ScriptedJudger(), "process", workers=2, timeout_s=10)
     try:
