@@ -152,15 +152,14 @@ class DecodeBatcher:
         if batch is None:
             batch = self._pending[loop] = []
             loop.call_soon(self._flush, loop)
-        batch.append((ids, skip_special_tokens, fut))
+        batch.append((ids, bool(skip_special_tokens), fut))
         return await fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch = self._pending.pop(loop, [])
-        for skip in (True, False):
-            part = [(ids, fut) for ids, s, fut in batch if s is skip]
-            if not part:
-                continue
+        by_flag: dict[bool, list[tuple[list[int], asyncio.Future]]] = {}
+        for ids, skip, fut in self._pending.pop(loop, []):
+            by_flag.setdefault(skip, []).append((ids, fut))
+        for skip, part in by_flag.items():
             try:
                 with torch.profiler.record_function("rlcli/agent/decode"):  # a named range in profiler traces
                     texts = decode_many(self.tok, [ids for ids, _ in part], skip)

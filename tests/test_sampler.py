@@ -157,3 +157,9 @@ def test_decode_batcher_hands_errors_to_every_waiter_and_survives_cancellation(m
         return await kept
 
     assert asyncio.run(cancelled_one()) == T.decode_tokens(batcher.tok, [6])
+
+    async def truthy_flags():  # any truthy or falsy flag, as decode() takes it; never left waiting
+        return await asyncio.wait_for(asyncio.gather(batcher.decode([5], 1), batcher.decode([6], 0)), 10)
+
+    assert asyncio.run(truthy_flags()) == [T.decode_tokens(batcher.tok, [5], True),
+                                           T.decode_tokens(batcher.tok, [6], False)]
