@@ -520,13 +520,22 @@ CHECKS: list[str] = []  # --checks: the conformance checks to run; empty: all
 KIT_SET: list[str] = []  # --kit-set: KEY=VALUE settings of the kit engines' backend config
 
 
-def section_conformance(engine: str, root: Path) -> None:
+def kit_models(where: Path) -> tuple[str, Path, Path]:
+    """``(device, model dir, other model dir)``: the kit's two tiny qwen2 models, on the GPU with
+    hidden 256 and head dim 64 (as engines' attention kernels want)."""
     from rlcli.testing import backend_conformance as bc
 
     device = "cuda" if gs.DEVICE == "cuda" else "cpu"
-    spec = {} if gs.DEVICE != "cuda" else dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                               intermediate_size=512)
-    a, b = bc.make_tiny_model_dirs(root / "kit", arch="qwen2", **spec)
+    spec = {} if device != "cuda" else dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                            intermediate_size=512)
+    a, b = bc.make_tiny_model_dirs(where, arch="qwen2", **spec)
+    return device, a, b
+
+
+def section_conformance(engine: str, root: Path) -> None:
+    from rlcli.testing import backend_conformance as bc
+
+    device, a, b = kit_models(root / "kit")
     make_backend, options, dtype = conformance_setup(engine, device)
     by_design = BY_DESIGN.get(engine, {})
 
@@ -610,10 +619,7 @@ def section_copies(engine: str, root: Path) -> None:
     from rlcli.testing import backend_conformance as bc
     from rlcli.types import SampleParams
 
-    device = "cuda" if gs.DEVICE == "cuda" else "cpu"
-    spec = {} if gs.DEVICE != "cuda" else dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                               intermediate_size=512)
-    a, _ = bc.make_tiny_model_dirs(root / "kit-copies", arch="qwen2", **spec)
+    device, a, _ = kit_models(root / "kit-copies")
     for name, sets in KIT_VARIANTS or [("kit", [])]:
         if time_left() < 90:
             result(what="copies", engine=engine, variant=name, settings=sets, error="not run: time budget")
