@@ -14,7 +14,7 @@ Sections:
   --ceilings  bf16 matmul TFLOP/s and device copy TB/s (the roofline the MFU is relative to)
   --engine    embedded engine alone: 512 sequences × 256 new tokens, generated tok/s
   --rlcli     `ColocateRunner` steps: median and min-max step time, split rollout / train / sync,
-              generated tok/s, training MFU (6·N·T FLOPs), weight sync s/GB, peak GPU memory
+              generated tok/s, training MFU (6·N·T FLOPs, T the tokens the model runs on), weight sync s/GB, peak GPU memory
   --trl       TRL GRPOTrainer (transformers generate) on the same work, step times, peak memory
 Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
 split.png. A failing section prints its exact error and the others still run. `--profile` adds
@@ -375,7 +375,8 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     roll = [r["timing/rollout_s"] for r in measured]
     train = [r["timing/train_s"] for r in measured]
     sync = [r["timing/sync_s"] for r in measured]
-    tokens = PROMPTS * K * (PROMPT_LEN + NEW)
+    # the tokens the model is run on: with share_prompts each prompt once for its K responses
+    tokens = PROMPTS * (PROMPT_LEN + K * NEW) if rec.train_worker.share_prompts else PROMPTS * K * (PROMPT_LEN + NEW)
     flops = 6 * n_params(model_dir) * tokens
     gb = measured[-1].get("sync/bytes", 0) / 1e9
     if DEVICE == "cuda":

@@ -260,11 +260,23 @@ class TrainWorkerConfig(Strict):
         description="How a pack is run: one row with restarting position ids (packed), one right-padded row "
         "per sequence (padded), or whichever costs less for the model's attention (auto).",
     )
+    share_prompts: bool = Field(
+        False, description="Run each prompt once for all of its responses in a pack (the shared layout): every "
+        "per-token layer skips the repeated prompt tokens, attention still sees each response with its own "
+        "prompt. Same results up to floating-point order; pack_max_length then counts each prompt once. "
+        "Requires pack_layout auto.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the frozen initial policy: "
                          "{coef, type, ref_offload}; coef 0 (the default) disables it.")
     rollout_is: RolloutISConfig | None = Field(
         None, description="Correct the rollout/training logprob mismatch with importance sampling; null: off. "
         "{} reports the mismatch/* metrics without changing the loss.")
+
+    @model_validator(mode="after")
+    def _check_share_prompts(self):
+        if self.share_prompts and self.pack_layout != "auto":
+            raise ValueError(f"share_prompts runs every pack in its own layout; pack_layout={self.pack_layout!r} "
+                             "cannot apply (set it to auto, or share_prompts to false)")
+        return self
 
 
 # ----------------------------------------------------------------------------------- tasks

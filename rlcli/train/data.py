@@ -24,6 +24,17 @@ order). A pack is run as one *micro-batch* in one of two layouts with identical 
 With dense (sdpa/eager) attention a packed row costs O(T²) attention over the whole pack, while
 padded rows cost O(n·L²); :func:`choose_layout` picks the cheaper one (for RL batches of many
 short sequences, padded is ~100x cheaper on CPU).
+
+A third layout, ``shared`` (``train_worker.share_prompts``), runs every prompt of a pack once for
+all of its responses. The model's input is one row: each prompt, then ``response[:-1]`` of each
+sequence with that prompt, position ids continuing from the prompt's length. Every per-token
+layer (projections, MLP, norms) then sees each prompt token once. Attention
+(:mod:`rlcli.train.attention`) gathers its queries, keys and values into one right-padded row per
+sequence (``attn_rows``: prompt, then response), runs causal attention there, and takes each
+token's output back from the row that owns it (``attn_owner``: a prompt's first sequence). The
+first response token of every sequence of a group is predicted at the one last prompt position.
+Results equal the other layouts' up to floating-point summation order; :func:`pack_shared`
+keeps the sequences of a prompt together in a pack.
 """
 
 from __future__ import annotations
@@ -37,7 +48,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100
-Layout = Literal["packed", "padded"]
+Layout = Literal["packed", "padded", "shared"]
 
 
 @dataclass
@@ -115,6 +126,65 @@ class Pack:
         return sum(self.lengths)
 
 
+def _first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """First fit of items of ``sizes`` into bins of ``capacity``: the item indices of each bin, in order."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for k, n in enumerate(sizes):
+        for b, free in enumerate(room):
+            if n <= free:
+                break
+        else:
+            b = len(bins)
+            bins.append([])
+            room.append(capacity)
+        bins[b].append(k)
+        room[b] -= n
+    return bins
+
+
+def _first_fit_balanced(sizes: list[int], capacity: int) -> list[list[int]]:
+    """As many bins as :func:`_first_fit` makes, filled evenly (see :func:`pack_balanced`)."""
+    bins = _first_fit(sizes, capacity)
+    if len(bins) <= 1:
+        return bins
+    lo, hi = max(max(sizes), -(-sum(sizes) // len(bins))), capacity
+    best = bins
+    while lo < hi:
+        mid = (lo + hi) // 2
+        trial = _first_fit(sizes, mid)
+        if len(trial) <= len(bins):
+            best, hi = trial, mid
+        else:
+            lo = mid + 1
+    return best  # the bins of capacity ``hi``, the last one tried successfully
+
+
+def _checked_sizes(seqs: list[TrainSequence], pack_max_length: int, indices) -> tuple[list[int], list[int]]:
+    """``(indices, num_tokens of each)``; ``ValueError`` for a sequence longer than ``pack_max_length``."""
+    if pack_max_length <= 0:
+        raise ValueError(f"pack_max_length must be positive, got {pack_max_length}")
+    idx = list(range(len(seqs))) if indices is None else list(indices)
+    sizes = []
+    for i in idx:
+        n = seqs[i].num_tokens
+        if n > pack_max_length:
+            raise ValueError(
+                f"sequence {seqs[i].seq_id} has {n} input tokens (prompt {len(seqs[i].prompt_ids)} + response "
+                f"{len(seqs[i].response_ids)} - 1), more than pack_max_length={pack_max_length}"
+            )
+        sizes.append(n)
+    return idx, sizes
+
+
+def _packs(seqs: list[TrainSequence], units: list[list[int]], bins: list[list[int]]) -> list[Pack]:
+    packs = []
+    for b in bins:
+        indices = [i for u in b for i in units[u]]
+        packs.append(Pack(indices, [seqs[i].num_tokens for i in indices]))
+    return packs
+
+
 def pack_sequences(seqs: list[TrainSequence], pack_max_length: int, indices: list[int] | None = None) -> list[Pack]:
     """First-fit packing of ``seqs`` (or the subset ``indices``) into packs of <= ``pack_max_length`` tokens.
 
@@ -122,28 +192,8 @@ def pack_sequences(seqs: list[TrainSequence], pack_max_length: int, indices: lis
     relative order within a pack. Deterministic. A sequence longer than ``pack_max_length``
     raises ``ValueError``.
     """
-    if pack_max_length <= 0:
-        raise ValueError(f"pack_max_length must be positive, got {pack_max_length}")
-    packs: list[Pack] = []
-    room: list[int] = []
-    for i in range(len(seqs)) if indices is None else indices:
-        n = seqs[i].num_tokens
-        if n > pack_max_length:
-            raise ValueError(
-                f"sequence {seqs[i].seq_id} has {n} input tokens (prompt {len(seqs[i].prompt_ids)} + response "
-                f"{len(seqs[i].response_ids)} - 1), more than pack_max_length={pack_max_length}"
-            )
-        for p, free in enumerate(room):
-            if n <= free:
-                break
-        else:
-            p = len(packs)
-            packs.append(Pack())
-            room.append(pack_max_length)
-        packs[p].indices.append(i)
-        packs[p].lengths.append(n)
-        room[p] -= n
-    return packs
+    idx, sizes = _checked_sizes(seqs, pack_max_length, indices)
+    return _packs(seqs, [[i] for i in idx], _first_fit(sizes, pack_max_length))
 
 
 def pack_balanced(seqs: list[TrainSequence], pack_max_length: int, indices: list[int] | None = None) -> list[Pack]:
@@ -156,21 +206,45 @@ def pack_balanced(seqs: list[TrainSequence], pack_max_length: int, indices: list
     the same number of packs (binary search; first fit is deterministic, so the result is too).
     Which sequences share a pack changes nothing in the loss: it is normalised by global counts.
     """
-    packs = pack_sequences(seqs, pack_max_length, indices)
-    if len(packs) <= 1:
-        return packs
-    total = sum(p.num_tokens for p in packs)
-    longest = max(n for p in packs for n in p.lengths)
-    lo, hi = max(longest, -(-total // len(packs))), pack_max_length
-    best = packs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        trial = pack_sequences(seqs, mid, indices)
-        if len(trial) <= len(packs):
-            best, hi = trial, mid
-        else:
-            lo = mid + 1
-    return best  # the packs of capacity ``hi``, the last one tried successfully
+    idx, sizes = _checked_sizes(seqs, pack_max_length, indices)
+    return _packs(seqs, [[i] for i in idx], _first_fit_balanced(sizes, pack_max_length))
+
+
+def prompt_groups(seqs: Sequence[TrainSequence], indices) -> list[list[int]]:
+    """``indices`` grouped by identical ``prompt_ids``: groups in order of first appearance, members in order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i in indices:
+        groups.setdefault(tuple(seqs[i].prompt_ids), []).append(i)
+    return list(groups.values())
+
+
+def shared_tokens(seqs: Sequence[TrainSequence], members: list[int]) -> int:
+    """Input tokens of sequences with one prompt in the ``shared`` layout: the prompt once, then each
+    ``response[:-1]``."""
+    return len(seqs[members[0]].prompt_ids) + sum(len(seqs[i].response_ids) - 1 for i in members)
+
+
+def pack_shared(seqs: list[TrainSequence], pack_max_length: int, indices: list[int] | None = None) -> list[Pack]:
+    """:func:`pack_balanced` for the ``shared`` layout: its units are the sequences of one prompt,
+    counted with the prompt once. A prompt whose sequences exceed ``pack_max_length`` together is
+    split into consecutive parts that fit, each with its own copy of the prompt."""
+    idx, _ = _checked_sizes(seqs, pack_max_length, indices)
+    units: list[list[int]] = []
+    sizes: list[int] = []
+    for members in prompt_groups(seqs, idx):
+        prompt = len(seqs[members[0]].prompt_ids)
+        part, size = [], prompt
+        for i in members:
+            extra = len(seqs[i].response_ids) - 1
+            if part and size + extra > pack_max_length:
+                units.append(part)
+                sizes.append(size)
+                part, size = [], prompt
+            part.append(i)
+            size += extra
+        units.append(part)
+        sizes.append(size)
+    return _packs(seqs, units, _first_fit_balanced(sizes, pack_max_length))
 
 
 def split_minibatches(token_counts: list[int], num: int) -> list[list[int]]:
@@ -254,6 +328,11 @@ class MicroBatch:
     label_counts: list[int]  # label positions per sequence of the pack, in pack order
     layout: Layout
     unit_temperature: bool = False  # every temperature is 1: the logits need no scaling
+    # the ``shared`` layout only (else None): each sequence's attention row, as indices into the
+    # pack's tokens ([n_seq, L] long), and where each token's attention output is read ([T] long,
+    # a flat index into the n_seq * L row positions)
+    attn_rows: torch.Tensor | None = None
+    attn_owner: torch.Tensor | None = None
 
     @property
     def num_labels(self) -> int:
@@ -300,23 +379,12 @@ def build_micro_batch(seqs: list[TrainSequence], pack: Pack, layout: Layout, pad
     """
     sel = [seqs[i] for i in pack.indices]
     n_seq = len(sel)
-    longest = max(pack.lengths) if pack.lengths else 1
-    ids: list[int] = []
     labels: list[int] = []
     rlp: list[float] = []
     counts = np.zeros(n_seq, dtype=np.int64)
-    firsts = np.zeros(n_seq, dtype=np.int64)
     partial: dict[int, np.ndarray] = {}  # row -> the response offsets that carry a label (mask not all ones)
-    offset = 0
     for row, s in enumerate(sel):
-        prompt, resp, mask = s.prompt_ids, s.response_ids, s.response_mask
-        ids += prompt
-        ids += resp[:-1]
-        if layout == "padded":
-            ids += [pad_id] * (longest - s.num_tokens)
-        # Response token j is predicted at input position len(prompt) - 1 + j.
-        firsts[row] = (row * longest if layout == "padded" else offset) + len(prompt) - 1
-        lps = s.rollout_logprobs
+        resp, mask, lps = s.response_ids, s.response_mask, s.rollout_logprobs
         if all(mask):  # the common case
             labels += resp
             rlp += lps if lps is not None else [0.0] * len(resp)
@@ -327,23 +395,18 @@ def build_micro_batch(seqs: list[TrainSequence], pack: Pack, layout: Layout, pad
             labels += np.asarray(resp, dtype=np.int64)[js].tolist()
             rlp += np.asarray(lps, dtype=np.float64)[js].tolist() if lps is not None else [0.0] * len(js)
             counts[row] = len(js)
-        offset += s.num_tokens
     total = int(counts.sum())
     starts = np.cumsum(counts) - counts  # where each sequence's labels begin
     within = np.arange(total, dtype=np.int64) - np.repeat(starts, counts)  # offset inside the response
     for row, js in partial.items():
         within[starts[row]: starts[row] + counts[row]] = js
-    label_index = np.repeat(firsts, counts) + within
+    attn_rows = attn_owner = None
+    if layout == "shared":
+        input_ids, position_ids, label_index, attn_rows, attn_owner = _shared_inputs(sel, counts, within)
+    else:
+        input_ids, position_ids, label_index = _row_inputs(sel, pack, layout, counts, within, pad_id)
     per_seq = lambda values, dtype: np.repeat(np.asarray(values, dtype=dtype), counts)  # noqa: E731
     inv_t = [1.0 / s.effective_temperature for s in sel]
-    if layout == "padded":
-        input_ids = torch.from_numpy(np.array(ids, dtype=np.int64)).view(n_seq, longest)
-        position_ids = torch.arange(longest).expand(n_seq, longest).contiguous()
-    else:
-        lens = np.asarray(pack.lengths, dtype=np.int64)
-        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
-        input_ids = torch.from_numpy(np.array(ids or [pad_id], dtype=np.int64)).view(1, -1)
-        position_ids = torch.from_numpy(pos if len(pos) else np.zeros(1, dtype=np.int64)).view(1, -1)
     return MicroBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -359,7 +422,74 @@ def build_micro_batch(seqs: list[TrainSequence], pack: Pack, layout: Layout, pad
         label_counts=counts.tolist(),
         layout=layout,
         unit_temperature=all(t == 1.0 for t in inv_t),
+        attn_rows=attn_rows,
+        attn_owner=attn_owner,
     )
+
+
+def _row_inputs(sel: list[TrainSequence], pack: Pack, layout: Layout, counts: np.ndarray, within: np.ndarray,
+                pad_id: int) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """``(input_ids, position_ids, label_index)`` of the ``packed`` and ``padded`` layouts."""
+    n_seq = len(sel)
+    longest = max(pack.lengths) if pack.lengths else 1
+    ids: list[int] = []
+    firsts = np.zeros(n_seq, dtype=np.int64)
+    offset = 0
+    for row, s in enumerate(sel):
+        ids += s.prompt_ids
+        ids += s.response_ids[:-1]
+        if layout == "padded":
+            ids += [pad_id] * (longest - s.num_tokens)
+        # Response token j is predicted at input position len(prompt) - 1 + j.
+        firsts[row] = (row * longest if layout == "padded" else offset) + len(s.prompt_ids) - 1
+        offset += s.num_tokens
+    label_index = np.repeat(firsts, counts) + within
+    if layout == "padded":
+        input_ids = torch.from_numpy(np.array(ids, dtype=np.int64)).view(n_seq, longest)
+        position_ids = torch.arange(longest).expand(n_seq, longest).contiguous()
+    else:
+        lens = np.asarray(pack.lengths, dtype=np.int64)
+        pos = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+        input_ids = torch.from_numpy(np.array(ids or [pad_id], dtype=np.int64)).view(1, -1)
+        position_ids = torch.from_numpy(pos if len(pos) else np.zeros(1, dtype=np.int64)).view(1, -1)
+    return input_ids, position_ids, label_index
+
+
+def _shared_inputs(sel: list[TrainSequence], counts: np.ndarray, within: np.ndarray):
+    """``(input_ids, position_ids, label_index, attn_rows, attn_owner)`` of the ``shared`` layout."""
+    n_seq = len(sel)
+    plen = np.array([len(s.prompt_ids) for s in sel], dtype=np.int64)
+    rlen = np.array([len(s.response_ids) - 1 for s in sel], dtype=np.int64)  # response inputs
+    width = int((plen + rlen).max())
+    ids: list[int] = []
+    pos: list[np.ndarray] = []
+    owner: list[np.ndarray] = []
+    rows = np.zeros((n_seq, width), dtype=np.int64)  # padding points at token 0: causal attention never reads it
+    prompt_last = np.zeros(n_seq, dtype=np.int64)
+    resp_start = np.zeros(n_seq, dtype=np.int64)
+    offset = 0
+    for members in prompt_groups(sel, range(n_seq)):
+        p = int(plen[members[0]])
+        ids += sel[members[0]].prompt_ids
+        prompt = np.arange(offset, offset + p, dtype=np.int64)
+        pos.append(np.arange(p, dtype=np.int64))
+        owner.append(members[0] * width + np.arange(p, dtype=np.int64))  # the first sequence's row owns the prompt
+        offset += p
+        for r in members:
+            n = int(rlen[r])
+            ids += sel[r].response_ids[:-1]
+            pos.append(np.arange(p, p + n, dtype=np.int64))
+            owner.append(r * width + np.arange(p, p + n, dtype=np.int64))
+            rows[r, :p] = prompt
+            rows[r, p:p + n] = np.arange(offset, offset + n, dtype=np.int64)
+            prompt_last[r] = prompt[-1]
+            resp_start[r] = offset
+            offset += n
+    # Response token 0 is predicted at the prompt's last position, token j > 0 at response input j - 1.
+    label_index = np.where(within == 0, np.repeat(prompt_last, counts), np.repeat(resp_start - 1, counts) + within)
+    as_row = lambda a: torch.from_numpy(np.concatenate(a)).view(1, -1)  # noqa: E731
+    return (torch.from_numpy(np.array(ids, dtype=np.int64)).view(1, -1), as_row(pos), label_index,
+            torch.from_numpy(rows), as_row(owner).view(-1))
 
 
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
