@@ -9,7 +9,10 @@ profile put the largest of them at about a third of the bf16 matmul ceiling. Thi
 whether another kernel does better, before any engine code changes: for each shape it times
 ``F.linear`` (cuBLAS, what runs today) and ``torch.compile(mode="max-autotune-no-cudagraphs")`` of
 the same call (Inductor benchmarks its Triton templates against cuBLAS and keeps the fastest), in
-bf16, with CUDA events over 200 calls after warm-up. Prints one ``RESULT {json}`` line per shape.
+bf16: 200 calls captured in one CUDA graph, replayed between two CUDA events (the device time of
+the products alone, as in the engine's captured decode step). Prints one ``RESULT {json}`` line
+per shape. (Its first run, 2026-12-02, timed back-to-back eager calls instead; those times of the
+small decode products were most likely the host's launch rate.)
 """
 
 from __future__ import annotations
@@ -38,13 +41,24 @@ TRAIN = [  # forward products of a 16,384-token slice of a training pack
 
 
 def time_us(fn, *args, iters: int = 200) -> float:
-    for _ in range(10):
-        fn(*args)
+    """Mean device time of one call: ``iters`` calls captured in one CUDA graph and replayed, so
+    that the host's launch rate does not set the pace of the small products."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (and compilation, autotuning) outside the capture
+        for _ in range(5):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn(*args)
+    graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(iters):
-        fn(*args)
+    graph.replay()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / iters

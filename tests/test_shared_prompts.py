@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from rlcli.config import TrainWorkerConfig
-from rlcli.train.data import TrainSequence, build_micro_batch, pack_shared, prompt_groups, shared_tokens
+from rlcli.train.data import (
+    TrainSequence,
+    build_micro_batch,
+    pack_balanced,
+    pack_shared,
+    prompt_groups,
+    shared_tokens,
+)
 
 from .test_train_worker import make_worker, model_dir, state, untied_dir  # noqa: F401
 
@@ -44,8 +51,10 @@ def test_pack_shared_keeps_a_prompts_sequences_together_and_counts_the_prompt_on
         members = prompt_groups(seqs, p.indices)
         assert sum(shared_tokens(seqs, m) for m in members) <= limit
         assert all(len(m) == 4 for m in members)  # no group was split: each fits whole
-    # fewer packs than when each prompt is counted once per sequence
-    assert len(packs) <= len(pack_shared(seqs, limit * 2)) + len(packs)
+    # no more packs than when each prompt is counted once per sequence, and fewer tokens in them
+    assert len(packs) <= len(pack_balanced(seqs, limit))
+    shared = sum(shared_tokens(seqs, m) for p in packs for m in prompt_groups(seqs, p.indices))
+    assert shared == sum(s.num_tokens for s in seqs) - 3 * sum(len(seqs[g * 4].prompt_ids) for g in range(5))
     assert pack_shared(seqs, limit) == packs  # deterministic
 
 

@@ -13,7 +13,7 @@ packed, its advantages drift by one position per preceding sample. Here every pe
 has exactly one entry per label position, and masked positions are zero in all of them.
 
 Packing puts sequences into packs of at most ``pack_max_length`` input tokens (first fit, in
-order). A pack is run as one *micro-batch* in one of two layouts with identical results:
+order). A pack is run as one *micro-batch* in one of these layouts, with identical results:
 
 * ``packed``: one row, position ids restarting at 0 for every sequence. Transformers (>= 5)
   turns restarting ``position_ids`` with no ``attention_mask`` into a block-diagonal causal mask,
