@@ -4,9 +4,9 @@
     python benchmarks/gemm_shapes.py --shapes decode   # the engine's decode-step products only
 
 The embedded engine's decode products have 512 rows (one per sequence of the benchmark's batch)
-and a short inner dimension (the hidden size, 896, for three of them); the seventh session's
-profile put the largest of them at about a third of the bf16 matmul ceiling. This script answers
-whether another kernel does better, before any engine code changes: for each shape it times
+and a short inner dimension (the hidden size, 896, for three of them); in the seventh session's
+profile they ran at 170-550 TFLOP/s. This script answers whether another kernel does better,
+before any engine code changes: for each shape it times
 ``F.linear`` (cuBLAS, what runs today) and ``torch.compile(mode="max-autotune-no-cudagraphs")`` of
 the same call (Inductor benchmarks its Triton templates against cuBLAS and keeps the fastest), in
 bf16: 200 calls captured in one CUDA graph, replayed between two CUDA events (the device time of
