@@ -638,8 +638,14 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
     # KL to the reference and masked IS: the kept-token normaliser is global
     corr = make_worker({model_dir!r}, pack_max_length=24, **CORRECTED)
     corrected = [corr.train_step(mine) for _ in range(2)]
+    # share_prompts: groups of 5 with one prompt, one group split across the ranks
+    grouped = make_batch(n=30, seed=11)
+    for i, s in enumerate(grouped):
+        s.prompt_ids = grouped[i - i % 5].prompt_ids
+    sh = make_worker({model_dir!r}, pack_max_length=24, share_prompts=True)
+    shared = [sh.train_step(grouped[:21] if rank() == 0 else grouped[21:]) for _ in range(2)]
     if rank() == 0:
-        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected}}, {out!r})
+        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared}}, {out!r})
     torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
     destroy()
 """)
@@ -677,6 +683,13 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
     assert r0["multi"] == {k: pytest.approx(v) for k, v in r1["multi"].items() if k != "train/step_time_s"} | {
         "train/step_time_s": r0["multi"]["train/step_time_s"]}
     assert r0["multi"]["train/skipped_steps"] == 0 and r0["multi"]["train/tokens"] == ref[0]["train/tokens"]
+    grouped = make_batch(n=30, seed=11)
+    for i, s in enumerate(grouped):
+        s.prompt_ids = grouped[i - i % 5].prompt_ids
+    sh = make_worker(model_dir, pack_max_length=24, share_prompts=True)
+    for a, b in zip(got["shared"], [sh.train_step(grouped) for _ in range(2)]):
+        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/tokens", "train/sequences"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
     corr = make_worker(model_dir, pack_max_length=24, **CORRECTED)
     for a, b in zip(got["corrected"], [corr.train_step(seqs) for _ in range(2)]):
         assert 0 < b["train/tokens"] < ref[0]["train/tokens"] and b["train/kl_ref"] >= 0  # some tokens masked
