@@ -18,10 +18,15 @@ from rlcli.train.data import (
     pack_balanced,
     pack_shared,
     prompt_groups,
-    shared_tokens,
 )
 
 from .test_train_worker import make_worker, model_dir, state, untied_dir  # noqa: F401
+
+
+def shared_tokens(seqs: list[TrainSequence], members: list[int]) -> int:
+    """Input tokens of sequences with one prompt in the shared layout: the prompt once, then each
+    ``response[:-1]`` (what pack_shared counts)."""
+    return len(seqs[members[0]].prompt_ids) + sum(len(seqs[i].response_ids) - 1 for i in members)
 
 
 def grouped_batch(groups=6, size=4, seed=0, vocab=53, partial=True) -> list[TrainSequence]:

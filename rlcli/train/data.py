@@ -218,12 +218,6 @@ def prompt_groups(seqs: Sequence[TrainSequence], indices) -> list[list[int]]:
     return list(groups.values())
 
 
-def shared_tokens(seqs: Sequence[TrainSequence], members: list[int]) -> int:
-    """Input tokens of sequences with one prompt in the ``shared`` layout: the prompt once, then each
-    ``response[:-1]``."""
-    return len(seqs[members[0]].prompt_ids) + sum(len(seqs[i].response_ids) - 1 for i in members)
-
-
 def pack_shared(seqs: list[TrainSequence], pack_max_length: int, indices: list[int] | None = None) -> list[Pack]:
     """:func:`pack_balanced` for the ``shared`` layout: its units are the sequences of one prompt,
     counted with the prompt once. A prompt whose sequences exceed ``pack_max_length`` together is
@@ -487,9 +481,9 @@ def _shared_inputs(sel: list[TrainSequence], counts: np.ndarray, within: np.ndar
             offset += n
     # Response token 0 is predicted at the prompt's last position, token j > 0 at response input j - 1.
     label_index = np.where(within == 0, np.repeat(prompt_last, counts), np.repeat(resp_start - 1, counts) + within)
-    as_row = lambda a: torch.from_numpy(np.concatenate(a)).view(1, -1)  # noqa: E731
-    return (torch.from_numpy(np.array(ids, dtype=np.int64)).view(1, -1), as_row(pos), label_index,
-            torch.from_numpy(rows), as_row(owner).view(-1))
+    return (torch.from_numpy(np.array(ids, dtype=np.int64)).view(1, -1),
+            torch.from_numpy(np.concatenate(pos)).view(1, -1), label_index,
+            torch.from_numpy(rows), torch.from_numpy(np.concatenate(owner)))
 
 
 def empty_micro_batch(pad_id: int = 0) -> MicroBatch:
