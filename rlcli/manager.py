@@ -59,6 +59,18 @@ def allocate_task_batch_sizes(batch_size: int, weights: dict[str, float]) -> dic
     return sizes
 
 
+def engine_metrics(backend: Any, prefix: str = "engine/") -> dict[str, float]:
+    """The backend's counters since the previous call (:meth:`InferenceBackend.stats`: generated
+    tokens, busy seconds, engine steps...), as ``<prefix><name>``. Reading resets them. A backend
+    whose ``stats()`` fails contributes nothing: metrics never stop a run."""
+    try:
+        stats = backend.stats()
+    except Exception:
+        log.warning("backend.stats() failed; no engine/* metrics this step", exc_info=True)
+        return {}
+    return {f"{prefix}{k}": float(v) for k, v in (stats or {}).items() if isinstance(v, (int, float))}
+
+
 def _pct(xs: list[float], q: float) -> float:
     """``sorted(xs)[int(q * n)]`` (XTuner's p50/p99), 0 for no data."""
     if not xs:
@@ -466,6 +478,7 @@ class RolloutManager:
         for pool in self.judge_pools:
             for k, v in pool.pop_stats().items():
                 m[k] = m.get(k, 0.0) + v
+        m.update(engine_metrics(self.backend))
         for t in self.tasks:
             for k, v in t.sampler.pop_stats().items():
                 m[k] = m.get(k, 0.0) + v

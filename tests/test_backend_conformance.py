@@ -197,7 +197,7 @@ def test_decode_graphs_survive_sleep_1_when_the_cache_returns(tmp_path):
     try:
         before = greedy()
         graphs = be.engine.cuda_graphs.num_graphs
-        assert graphs > 0
+        assert graphs > 0 and be.stats()["cuda_graph_captures"] == graphs
         address = be.engine.cache.address
         be.sleep(1)
         be.wake_up()
@@ -205,6 +205,7 @@ def test_decode_graphs_survive_sleep_1_when_the_cache_returns(tmp_path):
         assert be.engine.cuda_graphs.num_graphs == graphs  # kept
         assert greedy() == before
         assert be.engine.cuda_graphs.num_graphs == graphs  # replayed, none captured
+        assert be.stats()["cuda_graph_captures"] == 0
     finally:
         be.shutdown()
 

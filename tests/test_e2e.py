@@ -39,6 +39,9 @@ def test_quickstart_learns(quickstart_run):
                 "timing/step_s", "rollout/tokens"}
     for x in r[1:]:
         assert required <= set(x), required - set(x)
+        # the engine's own counters: what it generated is what the rollout recorded
+        assert x["engine/generated_tokens"] == x["rollout/tokens"] > 0 and x["engine/busy_s"] > 0
+    assert all(x["eval/engine/generated_tokens"] > 0 for x in r if "eval/accuracy" in x)  # counted apart
     assert [x["step"] for x in r] == list(range(0, 301))
 
 

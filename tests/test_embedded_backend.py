@@ -355,6 +355,7 @@ def test_stats_count_and_reset(model_dir):
     assert s["prefill_tokens"] == 5 and s["shared_prefill_tokens"] == 10
     assert s["steps"] >= 4 and s["busy_s"] > 0
     assert s["running"] == 0 and s["waiting"] == 0
+    assert "cuda_graph_captures" not in s  # CPU: no graphs
     again = be.stats()
     assert again["generated_tokens"] == 0 and again["steps"] == 0 and again["busy_s"] == 0
     be.shutdown()

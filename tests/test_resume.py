@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 RLCLI = [sys.executable, "-m", "rlcli.cli"]
-VOLATILE = ("time", "timing/", "judger/time_s", "train/step_time_s", "rollout/group_time")
+VOLATILE = ("time", "timing/", "judger/time_s", "train/step_time_s", "rollout/group_time", "engine/busy_s")
 
 
 def base_args(repo: Path, work: Path, steps: int, strategy: str) -> list[str]:

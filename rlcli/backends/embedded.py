@@ -686,6 +686,7 @@ class CudaGraphDecoder:
             self._logits = torch.zeros(max_rows, model.vocab_size, dtype=model.dtype, device=dev)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.captures = 0  # graphs captured so far (a recapture after a reset counts again)
         # one side stream for every warm-up and capture: libraries keep per-stream workspaces
         self._stream = torch.cuda.Stream(dev)
 
@@ -726,6 +727,7 @@ class CudaGraphDecoder:
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             self._forward(rows, key_len)
         self._graphs[(rows, key_len)] = graph
+        self.captures += 1
         return graph
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
@@ -854,6 +856,7 @@ class EmbeddedEngine:
         self._qlock = threading.Lock()
         self._stats_lock = threading.Lock()
         self._stats = self._zero_stats()
+        self._captures_read = 0
         self._done: list[tuple[Sequence, GenerateOutput]] = []
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size)
@@ -903,6 +906,10 @@ class EmbeddedEngine:
         """Counters since the last call (reset on read) plus the current queue gauges."""
         with self._stats_lock:
             out, self._stats = self._stats, self._zero_stats()
+            if self.cuda_graphs is not None:
+                captures = self.cuda_graphs.captures
+                out["cuda_graph_captures"] = captures - self._captures_read
+                self._captures_read = captures
         out["running"] = self._active
         out["waiting"] = len(self._waiting)
         return out
@@ -1677,6 +1684,7 @@ class EmbeddedBackend(InferenceBackend):
 
     def stats(self) -> dict[str, float]:
         """``generated_tokens``, ``prefill_tokens`` (computed, i.e. after prefix sharing),
-        ``shared_prefill_tokens``, ``busy_s`` and ``steps`` since the last call (reset on read),
-        plus the gauges ``running`` and ``waiting``."""
+        ``shared_prefill_tokens``, ``busy_s``, ``steps`` and, with CUDA graphs,
+        ``cuda_graph_captures`` since the last call (reset on read), plus the gauges ``running``
+        and ``waiting``."""
         return self._engine.pop_stats()

@@ -154,8 +154,8 @@ class ColocateRunner:
         """Every rank evaluates its share of the eval prompts; rank 0 reduces and writes them."""
         with self.timer("eval"), self.bar(f"eval {step}", self.evaluator.num_groups(), "prompt") as tick:
             samples = self.run(self.evaluator.run(step, tick))
-            judge_stats = self.evaluator.pop_judge_stats()
-        gathered = gather_to_main((samples, judge_stats))
+            stats = self.evaluator.pop_stats()
+        gathered = gather_to_main((samples, stats))
         if not self.main:
             return {}
         everything = sorted((s for part, _ in gathered for s in part), key=lambda s: (s.task_name, s.uid))

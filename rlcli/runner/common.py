@@ -21,6 +21,7 @@ from rlcli.backends.base import BackendContext, InferenceBackend
 from rlcli.config import Recipe, TaskConfig, resolved_dict
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device, rank, world_size
+from rlcli.manager import engine_metrics
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
 from rlcli.plugins import get_registry
 from rlcli.produce import Task
@@ -296,11 +297,13 @@ class Evaluator:
         """Evaluator metrics over all ranks' samples (``eval/<task>/...`` when there are several tasks)."""
         return eval_metrics(samples, [t.name for t in self.tasks], self.metric_components)
 
-    def pop_judge_stats(self) -> dict[str, float]:
+    def pop_stats(self) -> dict[str, float]:
+        """The eval judgers' counters and the backend's (``eval/engine/*``) since the last call."""
         out: dict[str, float] = {}
         for pool in self.pools:
             for k, v in pool.pop_stats().items():
                 out[f"eval/{k}"] = out.get(f"eval/{k}", 0.0) + v
+        out.update(engine_metrics(self.backend, "eval/engine/"))
         return out
 
     def close(self) -> None:

@@ -633,7 +633,7 @@ class RolloutSide:
         self._evaluating = True
         try:
             samples = self.call(self.evaluator.run(step))
-            stats = self.call_sync(self.evaluator.pop_judge_stats)
+            stats = self.call_sync(self.evaluator.pop_stats)
         finally:
             self._evaluating = False
         self.call_sync(self.backend.pause)  # production stays paused until continue_produce

@@ -36,7 +36,7 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
     loop = asyncio.new_event_loop()
     try:
         samples = loop.run_until_complete(evaluator.run(step=0))
-        metrics = {**evaluator.metrics(samples), **evaluator.pop_judge_stats()}
+        metrics = {**evaluator.metrics(samples), **evaluator.pop_stats()}
     finally:
         evaluator.close()
         backend.shutdown()
