@@ -255,6 +255,11 @@ class TrainWorkerConfig(Strict):
     fused_logprob: bool = Field(
         True, description="On CUDA, torch.compile the per-chunk softmax math of logprob/entropy and its gradient "
         "(two fused passes over the logits instead of about ten eager ones). Ignored on CPU.")
+    head_grad_in_forward: bool = Field(
+        True, description="When every token's loss gradient is known before the forward pass (one optimizer "
+        "step per batch, a ratio-only policy loss, no KL penalty, no rollout IS weighting or masking), compute "
+        "the LM head's gradient in the forward pass while each chunk's logits exist, instead of projecting "
+        "every chunk again in the backward pass. Same gradients; otherwise ignored.")
     pack_layout: Literal["auto", "packed", "padded"] = Field(
         "auto",
         description="How a pack is run: one row with restarting position ids (packed), one right-padded row "

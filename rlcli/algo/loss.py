@@ -88,6 +88,13 @@ def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Ten
 class PolicyLoss(Component):
     """Base class: per-token policy loss; the worker weights and sums it."""
 
+    #: True when the loss (and its metrics) depend on ``logp`` and ``old_logp`` only through
+    #: ``logp - old_logp``, as PPO-style ratio losses do. With one optimizer step per batch
+    #: (``old_logp`` is ``logp`` detached) the trainer then knows every token's gradient before
+    #: the forward pass and computes the LM head's gradient without projecting the logits twice
+    #: (``train_worker.head_grad_in_forward``). Leave it False unless that holds.
+    ratio_only: ClassVar[bool] = False
+
     @property
     def loss_agg(self) -> str:
         return getattr(self.config, "loss_agg", "token-mean")
@@ -125,6 +132,7 @@ class VanillaPolicyLoss(PolicyLoss):
     """PPO-clip with asymmetric clip range and dual clip (XTuner/verl 'vanilla')."""
 
     name: ClassVar[str] = "vanilla"
+    ratio_only: ClassVar[bool] = True
 
     class Config(_ClipConfig):
         clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio clipped below at 1 - clip_low.")
@@ -168,6 +176,7 @@ class GSPOPolicyLoss(PolicyLoss):
     """GSPO: PPO-clip on the per-sequence geometric-mean ratio (Zheng et al., 2025)."""
 
     name: ClassVar[str] = "gspo"
+    ratio_only: ClassVar[bool] = True
 
     class Config(_ClipConfig):
         clip_low: float = Field(3e-4, ge=0, lt=1, description="Sequence ratio clipped below at 1 - clip_low.")

@@ -20,7 +20,10 @@ With ``kl.coef == 0`` and ``rollout_is`` null none of the optional passes runs.
 Log-probs and entropies are computed from ``logits / temperature`` (per sequence) by a fused,
 chunked ``lm_head`` + ``log_softmax`` (:func:`chunked_logprobs`): only label positions are
 projected, ``logprob_chunk_size`` rows at a time in float32, and the backward pass recomputes
-each chunk instead of keeping ``[tokens, vocab]`` logits alive.
+each chunk instead of keeping ``[tokens, vocab]`` logits alive. When every token's loss gradient
+is known before the forward pass (``head_grad_in_forward``; see :meth:`TrainWorker._head_grad_ahead`)
+the head's gradient is computed during the forward pass instead (:func:`head_value_and_grad_ahead`),
+so each chunk is projected once.
 
 Ranks: every rank runs the same number of micro-batches per mini-batch (short ranks run empty
 ones), token/sequence counts and metrics are all-reduced, and the loss is scaled by the world
@@ -62,7 +65,15 @@ from torch.optim.adamw import adamw as adamw_functional
 
 from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
-from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics, rollout_correction
+from rlcli.algo.mismatch import (
+    RolloutCorrection,
+    can_reject,
+    finalize_metrics,
+    masks,
+    rollout_correction,
+    truncates,
+    vetoes,
+)
 from rlcli.compiling import compile_rows_dynamic
 from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
 from rlcli.fsutil import publish_dir
@@ -147,6 +158,19 @@ def _dlogits_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor
     d = x.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
     d.scatter_add_(1, labels.unsqueeze(1), g.unsqueeze(1))
     return d.to(logits.dtype)
+
+
+def _stats_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None, g: torch.Tensor,
+                       with_entropy: bool):
+    """:func:`_softmax_stats` and :func:`_dlogits` of one chunk in one function (one compiled graph on CUDA)."""
+    lse, logp, ent = _softmax_stats(logits, labels, inv_temp, with_entropy)
+    return lse, logp, ent, _dlogits(logits, lse, labels, g, inv_temp)
+
+
+def _stats_and_dlogits_eager(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None,
+                             g: torch.Tensor, with_entropy: bool):
+    lse, logp, ent = _softmax_stats(logits, labels, inv_temp, with_entropy)
+    return lse, logp, ent, _dlogits_eager(logits, lse, labels, g, inv_temp)
 
 
 class _FusedMath:
@@ -286,6 +310,89 @@ class _ChunkedLogprob(torch.autograd.Function):
         )
 
 
+class _HeadGradAhead(torch.autograd.Function):
+    """``sum_t g_t * logprob_t`` (a scalar) for per-token weights ``g`` known before the forward
+    pass, with its gradient computed *during* the forward pass, chunk by chunk, while each
+    chunk's logits are at hand; the backward pass only scales it. Same logits, softmax math and
+    accumulation order as :class:`_ChunkedLogprob`'s backward, without projecting every chunk
+    a second time. Also returns the logprobs and entropies (no gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, inv_temp, g, chunk_size, with_entropy, fused):
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
+        f32 = dict(dtype=torch.float32, device=hidden.device)
+        logp = torch.empty(n, **f32)
+        ent = torch.empty(n if with_entropy else 0, **f32)
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and bias is not None else None
+        for s in range(0, n, chunk_size):
+            e = min(n, s + chunk_size)
+            it = None if inv_temp is None else inv_temp[s:e]
+            gc = g[s:e].float()
+            if it is not None:
+                gc = gc * it
+            logits = _chunk_logits(hidden[s:e], weight, bias)
+            _, lp, en, dl = _FUSED.call("stats_dlogits", _stats_and_dlogits, hidden.device, fused, logits,
+                                        labels[s:e], it, gc, with_entropy, eager=_stats_and_dlogits_eager)
+            del logits
+            logp[s:e] = lp
+            if with_entropy:
+                ent[s:e] = en
+            if need_h:
+                grad_h[s:e] = dl @ weight
+            if need_w:
+                grad_w = _add_outer(grad_w, dl, hidden[s:e].to(weight.dtype))
+            if grad_b is not None:
+                grad_b += dl.sum(0, dtype=acc)
+        grads = [grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
+                 grad_b.to(bias.dtype) if grad_b is not None else None]
+        del grad_w, grad_b  # the float32 accumulators, before the decoder's backward pass needs the memory
+        ctx.present = [t is not None for t in grads]
+        ctx.save_for_backward(*(t for t in grads if t is not None))
+        ctx.mark_non_differentiable(logp, ent)
+        return (g.float() * logp).sum(), logp, ent
+
+    @staticmethod
+    def backward(ctx, grad_value, grad_logp, grad_ent):
+        saved = iter(ctx.saved_tensors)
+        grads = [next(saved) if present else None for present in ctx.present]
+        # grad_value is 1 when the value is the root of the backward pass (the worker's case);
+        # scaling in the gradient's dtype costs one pass over tensors much smaller than the logits
+        grads = [None if t is None else t * grad_value.to(t.dtype) for t in grads]
+        return (*grads, None, None, None, None, None, None)
+
+
+def head_value_and_grad_ahead(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    inv_temperature: torch.Tensor | None,
+    grad_logp: torch.Tensor,
+    chunk_size: int,
+    with_entropy: bool = True,
+    fused: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(sum(grad_logp * logprob), logprob, entropy)`` for the same inputs as :func:`chunked_logprobs`.
+
+    The scalar's backward pass gives ``hidden``, ``weight`` and ``bias`` exactly the gradients that
+    :func:`chunked_logprobs` would give them for an upstream gradient ``grad_logp`` on its
+    logprobs, but they are computed in the forward pass: each chunk of logits is projected once,
+    not twice. Use it when the loss's gradient with respect to every logprob is known before the
+    forward pass (one on-policy optimizer step with a ratio-only loss: see
+    ``TrainWorker._head_grad_ahead``).
+    """
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if grad_logp.shape != labels.shape:
+        raise ValueError(f"grad_logp must have the labels' shape {tuple(labels.shape)}, got {tuple(grad_logp.shape)}")
+    it = inv_temperature.float() if inv_temperature is not None else None
+    return _HeadGradAhead.apply(hidden, weight, bias, labels, it, grad_logp, chunk_size, with_entropy, fused)
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -405,13 +512,19 @@ class PolicyModel(nn.Module):
         self.fused = fused
 
     def forward(self, input_ids, position_ids, label_index, labels, inv_temperature, with_entropy: bool = True,
-                attn_rows=None, attn_owner=None):
+                attn_rows=None, attn_owner=None, grad_logp=None):
+        """``(logprobs, entropies)`` of the labels; with ``grad_logp`` (per-label weights known
+        before the pass), ``(sum(grad_logp * logprobs), logprobs, entropies)``, the head's
+        gradient computed during the pass (:func:`head_value_and_grad_ahead`)."""
         decoder = self.lm.get_decoder()
         # the shared layout's attention rows travel to the attention function as keyword arguments
         shared = {} if attn_rows is None else {"attn_rows": attn_rows, "attn_owner": attn_owner}
         hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **shared).last_hidden_state
         hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, label_index)
         head = self.lm.get_output_embeddings()
+        if grad_logp is not None:
+            return head_value_and_grad_ahead(hidden, head.weight, head.bias, labels, inv_temperature, grad_logp,
+                                             self.chunk_size, with_entropy, self.fused)
         return chunked_logprobs(hidden, head.weight, head.bias, labels, inv_temperature, self.chunk_size,
                                 with_entropy, self.fused)
 
@@ -636,11 +749,11 @@ class TrainWorker:
             return forced
         return choose_layout(lengths, self.cfg.pack_max_length, self.layout_cost)
 
-    def _forward(self, mb: MicroBatch, with_entropy: bool = True,
-                 model: PolicyModel | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, mb: MicroBatch, with_entropy: bool = True, model: PolicyModel | None = None,
+                 grad_logp: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         inv_t = None if mb.unit_temperature else mb.inv_temperature
         return (model or self.model)(mb.input_ids, mb.position_ids, mb.label_index, mb.labels, inv_t, with_entropy,
-                                     mb.attn_rows, mb.attn_owner)
+                                     mb.attn_rows, mb.attn_owner, grad_logp)
 
     def _all_sum(self, values: list[float]) -> list[float]:
         if self.world_size == 1:
@@ -701,6 +814,37 @@ class TrainWorker:
         counts = torch.stack(rows).tolist() if rows else []
         return [t for t, _ in counts], [n for _, n in counts]
 
+    def _head_grad_ahead(self, k: int, is_cfg, kl_cfg) -> bool:
+        """Whether every token's loss gradient is known before the forward pass, so that the LM
+        head's gradient can be computed while its logits are at hand (``head_grad_in_forward``).
+
+        It is when the update is the batch's first and only one (the old logprobs are the
+        current ones, detached: the ratio is exactly 1), the loss depends on the logprobs only
+        through ``logp - old_logp`` (:attr:`PolicyLoss.ratio_only`), and nothing else in the
+        loss reads the logprobs' values: no KL penalty, and rollout IS neither weights nor drops
+        tokens (a metrics-only ``rollout_is: {}`` is fine)."""
+        if not self.cfg.head_grad_in_forward or k != 1 or kl_cfg.coef > 0:
+            return False
+        if is_cfg is not None and (truncates(is_cfg) or masks(is_cfg) or vetoes(is_cfg)):
+            return False
+        return bool(getattr(self.policy_loss, "ratio_only", False))
+
+    def _on_policy_grad(self, mb: MicroBatch, num_tokens: int, num_seqs: int) -> torch.Tensor:
+        """d(loss of ``mb``, scaled as its backward pass would be)/d logprob, per label, at ratio 1.
+
+        The policy loss is evaluated at ``logp = old_logp = 0``: for a ratio-only loss every
+        intermediate equals its value at the real logprobs (``logp - old_logp`` is exactly 0 in
+        both), so the gradient is the one the ordinary backward pass would bring to the head."""
+        z = torch.zeros(mb.labels.shape, dtype=torch.float32, device=self.device, requires_grad=True)
+        mask = torch.ones_like(mb.labels, dtype=torch.bool)
+        with torch.enable_grad():
+            tok_loss, _ = self.policy_loss.per_token_loss(z, z.detach(), mb.advantages, mask, mb.seq_local)
+            w = aggregation_weights(self.policy_loss.loss_agg, mask, mb.seq_local, num_tokens, num_seqs,
+                                    num_local_seqs=len(mb.seq_indices))
+            loss = (tok_loss * w).sum()
+            (g,) = torch.autograd.grad(loss * self.world_size if self.world_size > 1 else loss, z, allow_unused=True)
+        return torch.zeros_like(z) if g is None else g.detach()
+
     # -------------------------------------------------------------------------- train
     def train_step(self, seqs: list[TrainSequence]) -> dict[str, float]:
         """One RL step on this rank's sequences (collective). Returns ``train/*`` metrics (global),
@@ -739,6 +883,7 @@ class TrainWorker:
         num_tokens, num_seqs = [int(c) for c in counts[:k]], [int(c) for c in counts[k:]]
 
         loss_agg = self.policy_loss.loss_agg
+        ahead = self._head_grad_ahead(k, is_cfg, kl_cfg)
         losses: list[float] = []
         grad_norms: list[float] = []
         lrs: list[float] = []
@@ -747,7 +892,11 @@ class TrainWorker:
             local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
             for mi, mb in enumerate(mbs):
                 self._accumulating(mi < len(mbs) - 1)
-                logp, ent = self._forward(mb, with_entropy=old is None)  # else taken from the old pass
+                if ahead:  # the head's gradient is computed in the forward pass; logp, ent carry none
+                    head_value, logp, ent = self._forward(
+                        mb, grad_logp=self._on_policy_grad(mb, num_tokens[j], num_seqs[j]))
+                else:
+                    logp, ent = self._forward(mb, with_entropy=old is None)  # else taken from the old pass
                 # k == 1: the weights have not moved since any old pass, so the ratio is exactly 1.
                 old_logp = old[j][mi] if k > 1 else logp.detach()
                 c = corr[j][mi] if corr is not None else (
@@ -766,7 +915,10 @@ class TrainWorker:
                     m.add_sum("kl_ref", kl.detach().sum(), n_kept)
                 # The weights already normalise by the global count, but FSDP averages gradients over
                 # ranks: scale by the world size so the update is the gradient of the global loss.
-                (loss * self.world_size if self.world_size > 1 else loss).backward()
+                if ahead:  # its gradient is that of the scaled loss (computed by _on_policy_grad)
+                    head_value.backward()
+                else:
+                    (loss * self.world_size if self.world_size > 1 else loss).backward()
                 local_loss += loss.detach()
                 # Every rank adds the same metric names (weight 0 when empty): they are reduced together.
                 m.add_loss_metrics(metrics, n_kept)
