@@ -338,6 +338,7 @@ class LlamaFamilyModel:
         self.num_kv_heads = attn0.k_proj.out_features // self.head_dim
         self.vocab_size = int(self.lm_head.out_features)
         self.max_position_embeddings = int(getattr(cfg, "max_position_embeddings", 4096) or 4096)
+        self._named: dict[str, torch.Tensor] | None = None  # named_parameters(), built on first use
         self._layer_fn = self._decode_layer  # torch.compile'd by compile_decode()
         self.triton_attention = False  # decode attention through the Triton kernel (use_triton_attention)
         self.layers: list[_Layer] = []
@@ -412,8 +413,11 @@ class LlamaFamilyModel:
 
     # -------------------------------------------------------------------------- weights
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """HF state-dict names -> live tensors (tied weights appear under both names)."""
-        return dict(self.hf.state_dict(keep_vars=True))
+        """HF state-dict names -> live tensors (tied weights appear under both names). Built once:
+        the tensors stay the same objects (fusing projections and moving devices change their data)."""
+        if self._named is None:
+            self._named = dict(self.hf.state_dict(keep_vars=True))
+        return self._named
 
     @torch.no_grad()
     def load_named_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -552,9 +556,9 @@ class LlamaFamilyModel:
         compilation serves every layer, batch size and key length (those two dimensions are the
         only symbolic ones: model sizes stay constants, see :mod:`rlcli.compiling`); the first
         decode step pays it."""
-        # arguments: layer, h, cos, sin, k_cache, v_cache, rows, positions, key_pos, mask
+        # arguments: layer, h, attn_out, mlp_out, cos, sin, k_cache, v_cache, rows, positions, key_pos, mask
         self._layer_fn = compile_rows_dynamic(self._decode_layer, dims={
-            1: (0,), 2: (0,), 3: (0,), 6: (0,), 7: (0,), 8: (0,), 9: (0, 3)})
+            1: (0,), 2: (0,), 3: (0,), 4: (0,), 5: (0,), 8: (0,), 9: (0,), 10: (0,), 11: (0, 3)})
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -564,25 +568,36 @@ class LlamaFamilyModel:
         key_pos = torch.arange(key_len, device=tokens.device)  # its length carries key_len into compiled layers
         rows = torch.arange(n, device=tokens.device)
         masks: dict[int | None, torch.Tensor | None] = {}  # one per sliding-window width; None: the Triton kernel masks
+        # Each layer hands its two residual branches to the next one unadded (see _decode_layer).
+        attn_out, mlp_out = torch.zeros_like(h), torch.zeros_like(h)  # two tensors: compiled code guards on aliasing
         for i, layer in enumerate(self.layers):
             if layer.window not in masks:
                 masks[layer.window] = None if self.triton_attention else decode_mask(positions, key_pos, layer.window)
-            h = self._layer_fn(layer, h, cos, sin, cache.k[i], cache.v[i], rows, positions, key_pos,
-                               masks[layer.window])
-        h = self.final_norm(h)
+            h, attn_out, mlp_out = self._layer_fn(layer, h, attn_out, mlp_out, cos, sin, cache.k[i], cache.v[i], rows,
+                                                  positions, key_pos, masks[layer.window])
+        h = self.final_norm(h + attn_out + mlp_out)
         if out is None:
             return self.lm_head(h)
         if self.lm_head.bias is None:
             return torch.mm(h, self.lm_head.weight.t(), out=out)
         return out.copy_(self.lm_head(h))
 
-    def _decode_layer(self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
-                      key_pos: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _decode_layer(self, layer: _Layer, h: torch.Tensor, attn_out: torch.Tensor, mlp_out: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor,
+                      mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder layer for one new token per row: writes its key/value into the cache at
         ``positions`` and attends to the cache's first ``len(key_pos)`` positions, through SDPA
-        with ``mask`` or, when ``mask`` is None, through the Triton kernel."""
+        with ``mask`` or, when ``mask`` is None, through the Triton kernel.
+
+        The residual stream arrives as ``h + attn_out + mlp_out`` (the previous layer's input and
+        its two branch outputs, added here in the order the model adds them) and leaves the same
+        way: ``(input, attention output, MLP output)``. Compiled, the additions then fuse into the
+        norms that read them, whereas a residual added right after its output projection becomes
+        ``addmm``, whose cuBLAS call first copies the residual into its output (a device-to-device
+        copy per branch per layer per decode step)."""
         n = h.shape[0]
+        h = h + attn_out + mlp_out
         x = layer.input_norm(h)
         q, k, v = self._qkv(layer, x, (n,))
         q = _rope(q, cos, sin)  # [n, H, hd]
@@ -594,8 +609,8 @@ class LlamaFamilyModel:
                                        layer.window or 0)
         else:
             attn = sdpa_decode_attention(q, k_cache, v_cache, mask, layer.scale)
-        h = h + layer.o_proj(attn.reshape(n, self.num_heads * self.head_dim))
-        return h + self._mlp(layer, layer.post_norm(h))
+        attn_out = layer.o_proj(attn.reshape(n, self.num_heads * self.head_dim))
+        return h, attn_out, self._mlp(layer, layer.post_norm(h + attn_out))
 
     @staticmethod
     def _mlp(layer: _Layer, x: torch.Tensor) -> torch.Tensor:
@@ -1606,6 +1621,8 @@ class EmbeddedBackend(InferenceBackend):
     def resume(self) -> None:
         """Accept requests again after :meth:`pause`."""
         self._paused = False
+
+    accepts_live_weights: ClassVar[bool] = True  # update_weights copies (and casts) before it returns
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy Hugging Face-named tensors into the model in place and set the policy version.
