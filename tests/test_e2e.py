@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 
@@ -173,3 +174,31 @@ def test_a_closed_runner_frees_its_trainer(repo, tmp_path):
     del runner, orig
     gc.collect()
     assert worker() is None
+
+
+@pytest.mark.parametrize("live", [True, False])
+def test_weight_sync_gives_the_engine_the_trainers_weights(repo, tmp_path, monkeypatch, live):
+    """After each step the engine holds exactly the trainer's weights, whether the trainer lends
+    its parameters (a backend that copies them itself) or sends cast copies (any other backend)."""
+    def short(raw):
+        raw["trainer"].update(total_train_steps=2, enable_evaluate=False)
+
+    rec = validate_recipe(_short(repo, tmp_path / "w", short), base_dir=repo / "recipes")
+    runner = ColocateRunner(rec, quiet=True)
+    if not live:
+        monkeypatch.setattr(type(runner.backend), "accepts_live_weights", False)
+    lent = []
+    orig = runner.worker.iter_weights
+    runner.worker.iter_weights = lambda *a, **k: lent.append(k.get("live", False)) or orig(*a, **k)
+    try:
+        runner.fit()
+        assert lent[:2] == [live, live]  # the two syncs (a final HF export may follow)
+        engine = runner.backend.engine.model.named_parameters()
+        trainer = runner.worker.full_state_dict()
+        assert set(engine) == set(trainer)
+        for name, t in trainer.items():
+            assert torch.equal(engine[name].detach().cpu(), t.to(engine[name].dtype).cpu()), name
+        rows = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+        assert rows[-1]["sync/bytes"] == sum({t.data_ptr(): t.numel() * t.element_size() for t in engine.values()}.values())
+    finally:
+        runner.close()

@@ -559,6 +559,27 @@ def test_iter_weights_names_values_and_buckets(model_dir, untied_dir, which):
     assert all(t.dtype == torch.bfloat16 for t in bf16 if t.is_floating_point())
 
 
+@pytest.mark.parametrize("which", ["tied", "untied"])
+def test_iter_weights_live_lends_the_parameters_themselves(model_dir, untied_dir, which):
+    d = model_dir if which == "tied" else untied_dir
+    w = make_worker(d)
+    assert w.can_lend_weights()
+    copied = [t for b in w.iter_weights() for t in b]
+    lent = [t for b in w.iter_weights(live=True, dtype=torch.bfloat16) for t in b]
+    assert [n for n, _ in lent] == [n for n, _ in copied]
+    assert all(torch.equal(a, b) and not b.requires_grad for (_, a), (_, b) in zip(copied, lent))
+    # the parameters' own storage: the next update shows through (what a copying consumer needs to know)
+    before = {n: t.clone() for n, t in lent}
+    w.train_step(make_batch(n=8))
+    assert any(not torch.equal(before[n], t) for n, t in lent)
+    live = {n: t for b in w.iter_weights(live=True) for n, t in b}
+    assert all(torch.equal(t, live[n]) for n, t in lent)
+    # buckets are sized by the dtype the consumer holds (bf16 here: half of float32)
+    bf16_bytes = sum({t.data_ptr(): t.numel() * 2 for _, t in lent}.values())
+    assert len(list(w.iter_weights(live=True, dtype=torch.bfloat16, bucket_bytes=bf16_bytes))) == 1
+    assert len(list(w.iter_weights(live=True, dtype=torch.float32, bucket_bytes=bf16_bytes))) > 1
+
+
 def test_save_hf_round_trip(model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -12,7 +12,10 @@ A backend is built once per run from ``(config, ctx)`` and then used from one as
   sending ``prompt + partial tokens`` with the remaining budget.
 * ``update_weights(named_tensors, version)`` loads Hugging Face-named tensors (any subset, in
   any number of calls); ``version`` becomes the policy version of tokens generated afterwards.
-  It is called while no generation step runs (between steps or while paused).
+  It is called while no generation step runs (between steps or while paused). A backend whose
+  class sets ``accepts_live_weights = True`` copies every tensor before ``update_weights``
+  returns and casts it itself: a colocated trainer may then hand it its own parameters (no
+  copy, any floating dtype) instead of cast copies.
 * ``sleep()`` / ``wake_up()`` release and restore device memory (KV cache; weights too at
   ``level=2``) so a colocated trainer can use it. ``shutdown()`` frees everything.
 """
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, ClassVar, Iterable
 
 import torch
 
@@ -65,6 +68,10 @@ class BackendContext:
 
 class InferenceBackend(Component, abc.ABC):
     """Base class of inference backends (see module docstring for the contract)."""
+
+    #: ``update_weights`` has copied (and cast) every tensor when it returns, so it may be given
+    #: tensors that alias a trainer's live parameters, in their training dtype.
+    accepts_live_weights: ClassVar[bool] = False
 
     def __init__(self, config, ctx: BackendContext):
         super().__init__(config)

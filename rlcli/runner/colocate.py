@@ -143,10 +143,19 @@ class ColocateRunner:
             yield b.update
 
     def sync_weights(self, version: int) -> None:
-        """Stream the trainer's weights to the backend bucket by bucket (no full copy, no disk)."""
-        nbytes = 0
-        for bucket in self.worker.iter_weights():
-            nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        """Stream the trainer's weights to the backend bucket by bucket (no full copy, no disk).
+        A backend that copies and casts them itself (``accepts_live_weights``) gets the trainer's
+        own parameters, with no cast copy in between, where the trainer holds them whole."""
+        live = bool(getattr(self.backend, "accepts_live_weights", False)) and self.worker.can_lend_weights()
+        itemsize = self.worker.dtype.itemsize
+        nbytes, seen = 0, set()
+        for bucket in self.worker.iter_weights(live=live):
+            # counted once per tensor (tied weights come under two names) and in the run dtype (the
+            # backend's copy), whatever the tensors handed over are in
+            for _, t in bucket:
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    nbytes += t.numel() * (itemsize if t.is_floating_point() else t.element_size())
             self.backend.update_weights(bucket, version)
         self.sync_bytes = nbytes
 

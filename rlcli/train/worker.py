@@ -1020,8 +1020,13 @@ class TrainWorker:
         return out
 
     # -------------------------------------------------------------------------- weights
+    def can_lend_weights(self) -> bool:
+        """Whether :meth:`iter_weights` can yield the live parameters themselves (``live=True``):
+        one rank, where every parameter's local shard is the whole tensor."""
+        return self.world_size == 1
+
     def iter_weights(
-        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None
+        self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None, live: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Full HF-named tensors in buckets of at most ``bucket_bytes`` (a larger tensor goes alone).
 
@@ -1029,10 +1034,17 @@ class TrainWorker:
         of ``AutoModelForCausalLM.state_dict()``, tied ``lm_head.weight`` included (the same
         tensor as the embedding). Tensors are on this rank's device, cast to ``dtype`` (default:
         the run dtype), and never alias the live parameters.
+
+        ``live=True`` (only where :meth:`can_lend_weights`): the parameters' own tensors instead,
+        in their training dtype, with no gather, cast or copy; ``dtype`` only sizes the buckets.
+        They change with the next optimizer step, so they are for a consumer that copies them at
+        once (an ``InferenceBackend`` with ``accepts_live_weights``).
         """
         dtype = dtype or self.dtype
+        if live and not self.can_lend_weights():
+            raise ValueError("iter_weights(live=True) needs a single rank (each parameter whole on it)")
         self.model.reshard()
-        named = self.hf_model.state_dict()
+        named = self.hf_model.state_dict(keep_vars=True)  # the parameters themselves: no per-tensor detach
         # Tied weights are one parameter under several names: gather once, yield under each name.
         aliases: dict[int, list[str]] = {}
         for name, p in self.hf_model.named_parameters(remove_duplicate=False):
@@ -1047,8 +1059,9 @@ class TrainWorker:
             if src in cache:
                 full, nbytes = cache[src], 0
             else:
-                full = self._full(tensor, dtype)
-                nbytes = full.numel() * full.element_size()
+                with torch.no_grad():  # the state dict holds the parameters themselves (keep_vars)
+                    full = self._lent(tensor) if live else self._full(tensor, dtype)
+                nbytes = full.numel() * (dtype.itemsize if live and full.is_floating_point() else full.element_size())
             left = remaining.get(src, 1) - 1
             remaining[src] = left
             if left > 0:
@@ -1062,6 +1075,14 @@ class TrainWorker:
             size += nbytes
         if bucket:
             yield bucket
+
+    @staticmethod
+    def _lent(tensor: torch.Tensor) -> torch.Tensor:
+        """The whole tensor behind a one-rank parameter, detached, not copied."""
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        if tuple(local.shape) != tuple(tensor.shape):
+            raise RuntimeError(f"parameter of shape {tuple(tensor.shape)} has a local shard of {tuple(local.shape)}")
+        return local.detach()
 
     @staticmethod
     def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
