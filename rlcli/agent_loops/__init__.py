@@ -70,7 +70,7 @@ class SingleTurnAgentLoop(AgentLoop):
             reason = "stop" if sample.response_ids[-1] in self.eos else "length"
         else:
             t0 = time.perf_counter()
-            req_params = params.model_copy(update={
+            req_params = params if not done else params.model_copy(update={  # a continuation asks for the rest
                 "max_tokens": params.max_tokens - done,
                 "min_tokens": max(params.min_tokens - done, 0),
             })
