@@ -248,6 +248,32 @@ def _add_outer(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Ten
     return acc.add_(a.t() @ b)
 
 
+class _HeadGrads:
+    """The LM head's gradients with respect to its input, weight and bias, accumulated chunk by
+    chunk from each chunk's gradient with respect to the logits (float32 sums for weight and bias)."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 need_h: bool, need_w: bool, need_b: bool):
+        self.acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.h = torch.empty_like(hidden) if need_h else None
+        self.w = torch.zeros(weight.shape, dtype=self.acc, device=weight.device) if need_w else None
+        self.b = torch.zeros(weight.shape[0], dtype=self.acc, device=weight.device) if need_b and bias is not None else None
+
+    def add(self, dl: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, s: int, e: int) -> None:
+        """Rows ``s:e``, whose logits' gradient is ``dl``."""
+        if self.h is not None:
+            self.h[s:e] = dl @ weight
+        if self.w is not None:
+            self.w = _add_outer(self.w, dl, hidden[s:e].to(weight.dtype))
+        if self.b is not None:
+            self.b += dl.sum(0, dtype=self.acc)
+
+    def result(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """``[grad_hidden, grad_weight, grad_bias]`` in the parameters' dtypes (None where not needed)."""
+        return [self.h, None if self.w is None else self.w.to(weight.dtype),
+                None if self.b is None else self.b.to(bias.dtype)]
+
+
 class _ChunkedLogprob(torch.autograd.Function):
     """logprob of ``labels`` (and entropy) under ``softmax((hidden @ W.T + b) / T)``, chunk by chunk."""
 
@@ -276,12 +302,8 @@ class _ChunkedLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, bias, labels, inv_temp, lse_all = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = _HeadGrads(hidden, weight, bias, *ctx.needs_input_grad[:3])
         n = hidden.shape[0]
-        grad_h = torch.empty_like(hidden) if need_h else None
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and bias is not None else None
         for s in range(0, n, ctx.chunk_size):
             e = min(n, s + ctx.chunk_size)
             it = None if inv_temp is None else inv_temp[s:e]
@@ -292,22 +314,8 @@ class _ChunkedLogprob(torch.autograd.Function):
             dl = _FUSED.call("dlogits", _dlogits, hidden.device, ctx.fused, logits, lse_all[s:e], labels[s:e], g, it,
                              eager=_dlogits_eager)
             del logits
-            if need_h:
-                grad_h[s:e] = dl @ weight
-            if need_w:
-                grad_w = _add_outer(grad_w, dl, hidden[s:e].to(weight.dtype))
-            if grad_b is not None:
-                grad_b += dl.sum(0, dtype=acc)
-        return (
-            grad_h,
-            grad_w.to(weight.dtype) if grad_w is not None else None,
-            grad_b.to(bias.dtype) if grad_b is not None else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+            grads.add(dl, hidden, weight, s, e)
+        return (*grads.result(weight, bias), None, None, None, None, None)
 
 
 class _HeadGradAhead(torch.autograd.Function):
@@ -319,15 +327,11 @@ class _HeadGradAhead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, inv_temp, g, chunk_size, with_entropy, fused):
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
         f32 = dict(dtype=torch.float32, device=hidden.device)
         logp = torch.empty(n, **f32)
         ent = torch.empty(n if with_entropy else 0, **f32)
-        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], dtype=acc, device=weight.device) if need_b and bias is not None else None
+        head = _HeadGrads(hidden, weight, bias, *ctx.needs_input_grad[:3])
         for s in range(0, n, chunk_size):
             e = min(n, s + chunk_size)
             it = None if inv_temp is None else inv_temp[s:e]
@@ -341,15 +345,9 @@ class _HeadGradAhead(torch.autograd.Function):
             logp[s:e] = lp
             if with_entropy:
                 ent[s:e] = en
-            if need_h:
-                grad_h[s:e] = dl @ weight
-            if need_w:
-                grad_w = _add_outer(grad_w, dl, hidden[s:e].to(weight.dtype))
-            if grad_b is not None:
-                grad_b += dl.sum(0, dtype=acc)
-        grads = [grad_h, grad_w.to(weight.dtype) if grad_w is not None else None,
-                 grad_b.to(bias.dtype) if grad_b is not None else None]
-        del grad_w, grad_b  # the float32 accumulators, before the decoder's backward pass needs the memory
+            head.add(dl, hidden, weight, s, e)
+        grads = head.result(weight, bias)
+        del head  # the float32 accumulators, before the decoder's backward pass needs the memory
         ctx.present = [t is not None for t in grads]
         ctx.save_for_backward(*(t for t in grads if t is not None))
         ctx.mark_non_differentiable(logp, ent)
