@@ -397,6 +397,7 @@ class LlamaFamilyModel:
         """Move the weights: to the CPU for ``sleep(2)`` (the fused matrices are dropped with
         the device memory; nothing decodes while asleep) and back for ``wake_up`` (fused again)."""
         self.hf.to(device)
+        self._named = None  # parameters keep their objects across a move, buffers may not
         if torch.device(device).type == "cpu":
             for layer in self.layers:
                 layer.qkv_weight = layer.qkv_bias = layer.gate_up_weight = None
@@ -413,8 +414,8 @@ class LlamaFamilyModel:
 
     # -------------------------------------------------------------------------- weights
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """HF state-dict names -> live tensors (tied weights appear under both names). Built once:
-        the tensors stay the same objects (fusing projections and moving devices change their data)."""
+        """HF state-dict names -> live tensors (tied weights appear under both names). Built once
+        and again after :meth:`to` (fusing projections changes the parameters' data, not the objects)."""
         if self._named is None:
             self._named = dict(self.hf.state_dict(keep_vars=True))
         return self._named
