@@ -732,3 +732,26 @@ def test_micro_batches_are_built_when_first_used_and_only_once(model_dir, monkey
     m = w.train_step(seqs)
     assert len(built) == m["train/micro_batches"]
     assert m["train/tokens"] == sum(s.num_valid for s in seqs)
+
+
+def test_lent_weights_reach_a_half_precision_engine_cast_once(model_dir):
+    """The lent float32 parameters land in a bfloat16 engine as the trainer's weights rounded once
+    (the cast happens in the engine's copy), the same as the cast copies iter_weights makes otherwise."""
+    from rlcli.backends.embedded import EmbeddedBackend
+    from rlcli.testing.backend_conformance import default_context
+
+    w = make_worker(model_dir)
+    w.train_step(make_batch(n=8))  # weights that differ from the files the engine loaded
+    assert EmbeddedBackend.accepts_live_weights
+    engines = []
+    for live in (True, False):
+        be = EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=4), default_context(model_dir, dtype=torch.bfloat16))
+        for bucket in w.iter_weights(live=live):
+            be.update_weights(bucket, version=1)
+        engines.append({n: t.detach().clone() for n, t in be.engine.model.named_parameters().items()})
+        be.shutdown()
+    trainer = w.full_state_dict()
+    for name, t in trainer.items():
+        assert engines[0][name].dtype == torch.bfloat16
+        assert torch.equal(engines[0][name], t.to(torch.bfloat16)), name
+        assert torch.equal(engines[0][name], engines[1][name]), name
