@@ -146,8 +146,7 @@ def test_used_only_where_the_gradient_is_known_ahead(model_dir, monkeypatch, cfg
     monkeypatch.setattr(worker_mod._ChunkedLogprob, "backward",
                         staticmethod(lambda ctx, *g: recomputed.append(1) or ordinary(ctx, *g)))
     w = make_worker(model_dir, loss=loss, logprob_chunk_size=5, **cfg)
-    k = cfg.get("optimizer_steps", 1)
-    assert w._head_grad_ahead(k, w.cfg.rollout_is, w.cfg.kl) is ahead
+    assert w._head_grad_ahead() is ahead
     m = w.train_step(grouped_batch(groups=2, size=2, seed=6))
     assert math.isfinite(m["train/loss"]) and m["train/skipped_steps"] == 0
     assert bool(recomputed) is not ahead

@@ -162,15 +162,16 @@ def _dlogits_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor
 
 def _stats_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None, g: torch.Tensor,
                        with_entropy: bool):
-    """:func:`_softmax_stats` and :func:`_dlogits` of one chunk in one function (one compiled graph on CUDA)."""
+    """``(logp, entropy, d logits)`` of one chunk: :func:`_softmax_stats` and :func:`_dlogits` in
+    one function (one compiled graph on CUDA, which keeps the log-normaliser in registers)."""
     lse, logp, ent = _softmax_stats(logits, labels, inv_temp, with_entropy)
-    return lse, logp, ent, _dlogits(logits, lse, labels, g, inv_temp)
+    return logp, ent, _dlogits(logits, lse, labels, g, inv_temp)
 
 
 def _stats_and_dlogits_eager(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None,
                              g: torch.Tensor, with_entropy: bool):
     lse, logp, ent = _softmax_stats(logits, labels, inv_temp, with_entropy)
-    return lse, logp, ent, _dlogits_eager(logits, lse, labels, g, inv_temp)
+    return logp, ent, _dlogits_eager(logits, lse, labels, g, inv_temp)
 
 
 class _FusedMath:
@@ -339,7 +340,7 @@ class _HeadGradAhead(torch.autograd.Function):
             if it is not None:
                 gc = gc * it
             logits = _chunk_logits(hidden[s:e], weight, bias)
-            _, lp, en, dl = _FUSED.call("stats_dlogits", _stats_and_dlogits, hidden.device, fused, logits,
+            lp, en, dl = _FUSED.call("stats_dlogits", _stats_and_dlogits, hidden.device, fused, logits,
                                         labels[s:e], it, gc, with_entropy, eager=_stats_and_dlogits_eager)
             del logits
             logp[s:e] = lp
@@ -812,7 +813,7 @@ class TrainWorker:
         counts = torch.stack(rows).tolist() if rows else []
         return [t for t, _ in counts], [n for _, n in counts]
 
-    def _head_grad_ahead(self, k: int, is_cfg, kl_cfg) -> bool:
+    def _head_grad_ahead(self) -> bool:
         """Whether every token's loss gradient is known before the forward pass, so that the LM
         head's gradient can be computed while its logits are at hand (``head_grad_in_forward``).
 
@@ -821,7 +822,8 @@ class TrainWorker:
         through ``logp - old_logp`` (:attr:`PolicyLoss.ratio_only`), and nothing else in the
         loss reads the logprobs' values: no KL penalty, and rollout IS neither weights nor drops
         tokens (a metrics-only ``rollout_is: {}`` is fine)."""
-        if not self.cfg.head_grad_in_forward or k != 1 or kl_cfg.coef > 0:
+        cfg, is_cfg = self.cfg, self.cfg.rollout_is
+        if not cfg.head_grad_in_forward or cfg.optimizer_steps != 1 or cfg.kl.coef > 0:
             return False
         if is_cfg is not None and (truncates(is_cfg) or masks(is_cfg) or vetoes(is_cfg)):
             return False
@@ -881,7 +883,7 @@ class TrainWorker:
         num_tokens, num_seqs = [int(c) for c in counts[:k]], [int(c) for c in counts[k:]]
 
         loss_agg = self.policy_loss.loss_agg
-        ahead = self._head_grad_ahead(k, is_cfg, kl_cfg)
+        ahead = self._head_grad_ahead()
         losses: list[float] = []
         grad_norms: list[float] = []
         lrs: list[float] = []
@@ -903,6 +905,9 @@ class TrainWorker:
                     mask, n_kept = c.keep, c.keep.sum()
                 else:
                     mask, n_kept = torch.ones_like(mb.labels, dtype=torch.bool), mb.num_labels
+                # Ahead, the loss is evaluated here again, at the real logprobs (its gradient came from
+                # the evaluation at 0): its value and metrics are the reported ones, and a non-finite
+                # logprob still makes it non-finite and skips the update, as on the ordinary path.
                 tok_loss, metrics = self.policy_loss.per_token_loss(logp, old_logp, mb.advantages, mask, mb.seq_local)
                 w = aggregation_weights(loss_agg, mask, mb.seq_local, num_tokens[j], num_seqs[j],
                                         num_local_seqs=len(mb.seq_indices))
