@@ -13,7 +13,10 @@ with the model so HF exports load with ``AutoTokenizer`` (llama model type) or
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import copy
 import json
+import threading
 from pathlib import Path
 
 import torch
@@ -130,18 +133,47 @@ def decode_many(tok: PreTrainedTokenizerBase, seqs: list[list[int]], skip_specia
     return [tok.decode(ids, skip_special_tokens=skip_special_tokens) for ids in seqs]
 
 
+#: One thread for every batcher's background decoding (chunks queue up behind each other).
+_DECODE_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_DECODE_POOL_LOCK = threading.Lock()
+
+
+def _decode_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _DECODE_POOL
+    with _DECODE_POOL_LOCK:
+        if _DECODE_POOL is None:
+            _DECODE_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlcli-decode")
+        return _DECODE_POOL
+
+
 class DecodeBatcher:
     """Turns token ids into text for many coroutines at once.
 
     ``await batcher.decode(ids)`` queues the ids; the coroutines that ask in the same turn of the
     event loop (the responses that one engine step finished, all resumed together) are decoded
-    by one :func:`decode_many` call on the next turn, spread over the cores, instead of one call
-    per response one after another on one core while the GPU waits (the responses of a rollout
-    that all end at the same step make one batch). A failing decode fails every caller of its
-    batch with the error."""
+    together instead of one call per response one after another on one core while the GPU
+    waits (the responses of a rollout that all end at the same step make one batch). A failing
+    decode fails every caller of its chunk with the error.
 
-    def __init__(self, tok: PreTrainedTokenizerBase):
+    With a tokenizer that decodes in Rust (:func:`decode_many`'s fast path), every ``chunk``
+    requests are handed to a background thread as soon as they are queued, and each chunk's
+    callers get their text as soon as it is decoded: the Rust decode runs without the GIL, so
+    it overlaps the loop's Python work around it (resuming the other finished responses before,
+    judging the decoded ones after), and the rollout's tail costs about the longer of the two,
+    not their sum. What is left when the turn ends (fewer than ``chunk``) is decoded on the
+    loop's thread, so a lone response never waits on a thread hop. The background thread uses
+    its own copy of the Rust tokenizer: a call on the loop's thread that changes the tokenizer's
+    padding or truncation settings never meets a decode in progress. Other tokenizers decode
+    everything on the loop's thread, one call per flag.
+    """
+
+    def __init__(self, tok: PreTrainedTokenizerBase, chunk: int = 64):
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
         self.tok = tok
+        self.chunk = chunk
+        self._background = _rust_decodes(tok)
+        self._background_tok = None  # the background thread's copy of the Rust tokenizer, made on first use
         # per event loop (a batch never waits on a loop other than its callers'): (ids, skip, future)
         self._pending: dict[asyncio.AbstractEventLoop, list[tuple[list[int], bool, asyncio.Future]]] = {}
 
@@ -153,21 +185,49 @@ class DecodeBatcher:
             batch = self._pending[loop] = []
             loop.call_soon(self._flush, loop)
         batch.append((ids, bool(skip_special_tokens), fut))
+        if self._background and len(batch) >= self.chunk:
+            self._pending[loop] = []  # the flush already scheduled takes what comes after
+            if self._background_tok is None:
+                self._background_tok = copy.deepcopy(self.tok._tokenizer)
+            _decode_pool().submit(self._decode_in_background, loop, batch)
         return await fut
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        rest = self._pending.pop(loop, [])
+        with torch.profiler.record_function("rlcli/agent/decode"):  # a named range in profiler traces
+            for part, skip in self._by_flag(rest):
+                self._settle(part, *self._decode(lambda seqs: decode_many(self.tok, seqs, skip), part))
+
+    @staticmethod
+    def _by_flag(batch):
         by_flag: dict[bool, list[tuple[list[int], asyncio.Future]]] = {}
-        for ids, skip, fut in self._pending.pop(loop, []):
+        for ids, skip, fut in batch:
             by_flag.setdefault(skip, []).append((ids, fut))
-        for skip, part in by_flag.items():
+        return [(part, skip) for skip, part in by_flag.items()]
+
+    @staticmethod
+    def _decode(fn, part: list[tuple[list[int], asyncio.Future]]) -> tuple[list[str] | None, Exception | None]:
+        try:
+            return fn([ids for ids, _ in part]), None
+        except Exception as e:  # noqa: BLE001 - handed to every waiter of the chunk
+            return None, e
+
+    def _decode_in_background(self, loop: asyncio.AbstractEventLoop, batch) -> None:
+        tok = self._background_tok
+        for part, skip in self._by_flag(batch):
+            outcome = self._decode(lambda seqs: tok.decode_batch(seqs, skip_special_tokens=skip), part)
             try:
-                with torch.profiler.record_function("rlcli/agent/decode"):  # a named range in profiler traces
-                    texts = decode_many(self.tok, [ids for ids, _ in part], skip)
-            except Exception as e:  # noqa: BLE001 - handed to every waiter
-                for _, fut in part:
-                    if not fut.done():
-                        fut.set_exception(e)
+                loop.call_soon_threadsafe(self._settle, part, *outcome)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                return
+
+    @staticmethod
+    def _settle(part: list[tuple[list[int], asyncio.Future]], texts: list[str] | None,
+                error: Exception | None) -> None:
+        for i, (_, fut) in enumerate(part):
+            if fut.done():  # a cancelled waiter
                 continue
-            for (_, fut), text in zip(part, texts):
-                if not fut.done():  # a cancelled waiter
-                    fut.set_result(text)
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(texts[i])

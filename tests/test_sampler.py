@@ -163,3 +163,74 @@ def test_decode_batcher_hands_errors_to_every_waiter_and_survives_cancellation(m
 
     assert asyncio.run(truthy_flags()) == [T.decode_tokens(batcher.tok, [5], True),
                                            T.decode_tokens(batcher.tok, [6], False)]
+
+
+def test_decode_batcher_chunks_decode_in_the_background_and_hand_each_chunk_over(monkeypatch):
+    import asyncio
+
+    import rlcli.tokenizer as T
+
+    tok = T.builtin_tokenizer("arith")
+    assert T._rust_decodes(tok)
+    seqs = [tok.encode(f"{i}*{i}={i * i}") + [tok.eos_token_id] for i in range(23)]
+    inline = []
+    real = T.decode_many
+    monkeypatch.setattr(T, "decode_many", lambda t, s, skip=True: inline.append(len(s)) or real(t, s, skip))
+    batcher = T.DecodeBatcher(tok, chunk=5)
+    order = []
+
+    async def one(i):
+        await asyncio.sleep(0)
+        text = await batcher.decode(seqs[i], i % 2 == 0)
+        order.append(i)
+        return text
+
+    async def many():
+        return await asyncio.gather(*(one(i) for i in range(len(seqs))))
+
+    texts = asyncio.run(many())
+    assert texts == [T.decode_tokens(tok, s, i % 2 == 0) for i, s in enumerate(seqs)]
+    # 23 requests: four chunks of 5 went to the background thread (on its own copy of the
+    # tokenizer) as they were queued; the 3 left when the turn ended, on the loop's thread
+    assert sorted(inline) == [1, 2]
+    assert batcher._background_tok is not None and batcher._background_tok is not tok._tokenizer
+    assert sorted(order) == list(range(len(seqs))) and not batcher._pending
+
+    # a background chunk that fails fails its own callers only
+    class Broken:
+        def decode_batch(self, seqs, skip_special_tokens=True):
+            if any(s == seqs_by_index[7] for s in seqs):
+                raise RuntimeError("tokenizer exploded")
+            return tok._tokenizer.decode_batch(seqs, skip_special_tokens=skip_special_tokens)
+
+    seqs_by_index = seqs
+    batcher._background_tok = Broken()
+
+    async def all_of_them():
+        return await asyncio.gather(*(batcher.decode(s) for s in seqs), return_exceptions=True)
+
+    out = asyncio.run(all_of_them())
+    failed = [i for i, o in enumerate(out) if isinstance(o, Exception)]
+    assert failed == [5, 6, 7, 8, 9] and str(out[7]) == "tokenizer exploded"
+    assert inline[2:] == [3]  # the last 3
+    assert [o for i, o in enumerate(out) if i not in failed] == [
+        T.decode_tokens(tok, s) for i, s in enumerate(seqs) if i not in failed]
+
+
+def test_decode_batcher_without_the_rust_fast_path_decodes_every_chunk_inline(monkeypatch):
+    import asyncio
+
+    import rlcli.tokenizer as T
+
+    tok = T.builtin_tokenizer("arith")
+    monkeypatch.setattr(T, "_rust_decodes", lambda t: False)
+    batcher = T.DecodeBatcher(tok, chunk=4)
+    seqs = [tok.encode(str(i)) for i in range(10)]
+
+    async def many():
+        return await asyncio.gather(*(batcher.decode(s) for s in seqs))
+
+    assert asyncio.run(many()) == [tok.decode(s, skip_special_tokens=True) for s in seqs]
+    assert batcher._background_tok is None
+    with pytest.raises(ValueError, match="chunk"):
+        T.DecodeBatcher(tok, chunk=0)
