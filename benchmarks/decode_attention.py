@@ -22,7 +22,11 @@ Paths:
   outside the timed region;
 * ``sdpa_cudnn``: the same with cuDNN attention tried first (what the engine's CUDA graphs ran,
   by the fourth session's profile);
-* ``triton``: ``rlcli.backends.decode_attention.decode_attention``.
+* ``triton``: ``rlcli.backends.decode_attention.decode_attention``;
+* ``triton_prefix`` (cases with a ``group``): the same, with the rows of each group of ``group``
+  (the samples of one prompt) reading the first ``lo`` positions (the prompt) from the group's
+  first row (``prefix_rows`` / ``prefix_lens``, as the engine does). In those cases every row of
+  a group holds the same keys and values there, so all paths compute the same attention.
 
 Each path is timed two ways with CUDA events, median of ``--iters`` (default 50) samples after
 warm-up: ``graph`` - one sample is the replay of a CUDA graph holding ``--calls`` calls (default 10),
@@ -54,11 +58,11 @@ from rlcli.backends import decode_attention as da  # noqa: E402
 from rlcli.backends.embedded import _attention_backends, decode_mask, sdpa_decode_attention  # noqa: E402
 
 CASES = {
-    "rollout": dict(n=512, heads=14, kv_heads=2, head_dim=64, lo=64, hi=320, key_len=384),
+    "rollout": dict(n=512, heads=14, kv_heads=2, head_dim=64, lo=64, hi=320, key_len=384, group=8),
     "long": dict(n=8, heads=14, kv_heads=2, head_dim=64, lo=3072, hi=4095, key_len=4096),
 }
 TINY_CASES = {
-    "rollout": dict(n=4, heads=4, kv_heads=2, head_dim=64, lo=8, hi=40, key_len=48),
+    "rollout": dict(n=4, heads=4, kv_heads=2, head_dim=64, lo=8, hi=40, key_len=48, group=2),
     "long": dict(n=2, heads=4, kv_heads=1, head_dim=64, lo=300, hi=511, key_len=512),
 }
 
@@ -131,6 +135,12 @@ def time_cpu(fn, iters: int) -> float:
 def run_case(name: str, case: dict, args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     q, k_cache, v_cache, positions, mask = make_case(case, device, dtype)
     n, kvh, hd, key_len = case["n"], case["kv_heads"], case["head_dim"], case["key_len"]
+    prefix = None
+    if case.get("group"):  # each group's rows hold one prompt's keys and values (its first row's)
+        lead = torch.arange(n, device=device) // case["group"] * case["group"]
+        k_cache[:, :, :case["lo"]] = k_cache[lead, :, :case["lo"]]
+        v_cache[:, :, :case["lo"]] = v_cache[lead, :, :case["lo"]]
+        prefix = dict(prefix_rows=lead, prefix_lens=torch.full((n,), case["lo"], dtype=torch.int32, device=device))
     scale = hd**-0.5
     nbytes = needed_bytes(positions, key_len, kvh, hd, q.element_size())
 
@@ -144,6 +154,8 @@ def run_case(name: str, case: dict, args, device: torch.device, dtype: torch.dty
         return lambda: da.decode_attention(q, k_cache, v_cache, positions, key_len, scale, **knobs)
 
     paths = {"sdpa": sdpa(False), "triton": triton()}
+    if prefix is not None:
+        paths["triton_prefix"] = triton(**prefix)
     if device.type == "cuda":
         paths["sdpa_cudnn"] = sdpa(True)
     if args.sweep and device.type == "cuda":

@@ -148,6 +148,43 @@ def test_kernel_rows_past_key_len(num_splits):
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
 
+def check_prefix(dtype, positions, key_len, prefix_rows, prefix_lens, window=None, num_splits=None, seed=3):
+    """Rows that read their first ``prefix_lens[i]`` keys and values from row ``prefix_rows[i]``
+    (a row of the cache, possibly one past ``n``): the result is exactly the kernel's result on a
+    cache where every row holds its own copy, and a row's own copy of the prefix is never read
+    (NaN there)."""
+    n, kvh, group, hd, max_len = len(positions), 2, 2, 64, 48
+    q, k, v, pos = make_inputs(n, kvh, group, hd, max_len, positions, dtype, key_len, window, extra_rows=2, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    for r in sorted(set(prefix_rows)):  # the shared prompts' keys and values, finite, in their rows
+        length = max(l for pr, l in zip(prefix_rows, prefix_lens) if pr == r)
+        k[r, :, :length] = torch.randn(kvh, length, hd, generator=g).to(dtype)
+        v[r, :, :length] = torch.randn(kvh, length, hd, generator=g).to(dtype)
+    k_copy, v_copy = k.clone(), v.clone()  # every row with its own copy
+    for i, (r, length) in enumerate(zip(prefix_rows, prefix_lens)):
+        k_copy[i, :, :length], v_copy[i, :, :length] = k[r, :, :length], v[r, :, :length]
+        if r != i:  # the kernel must read the prefix row's copy, never this one
+            k[i, :, :length] = float("nan")
+            v[i, :, :length] = float("nan")
+    rows = torch.tensor(prefix_rows, dtype=torch.int64)
+    lens = torch.tensor(prefix_lens, dtype=torch.int32)
+    kw = dict(num_splits=num_splits, block_n=16)
+    out = decode_attention(q, k, v, pos, key_len, hd**-0.5, window, prefix_rows=rows, prefix_lens=lens, **kw)
+    assert torch.equal(out, decode_attention(q, k_copy, v_copy, pos, key_len, hd**-0.5, window, **kw))
+    torch.testing.assert_close(out.double(), reference(q, k_copy, v_copy, pos, key_len, hd**-0.5, window), **TOL[dtype])
+
+
+@interpreted
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_prefix_rows(dtype, num_splits, window):
+    # rows 0, 1 and 4 share row 4's prompt (lengths differ: a prefix may end inside a block of 16
+    # keys); row 2 is its own prefix row; row 3 reads row 5, one of the cache's rows past n
+    check_prefix(dtype, [0, 21, 40, 9, 30], 45, prefix_rows=[4, 4, 2, 5, 4], prefix_lens=[1, 20, 40, 10, 20],
+                 window=window, num_splits=num_splits)
+
+
 def sdpa_decode(q, k_cache, v_cache, positions, key_len, scale, window=None):
     """The engine's SDPA path (``attention: sdpa``), as ``LlamaFamilyModel._decode`` calls it."""
     from rlcli.backends.embedded import decode_mask, sdpa_decode_attention
@@ -210,6 +247,50 @@ def test_kernel_in_the_embedded_engine(tmp_path, arch):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
 
 
+@interpreted
+def test_kernel_in_the_embedded_engine_with_shared_prompts(tmp_path, monkeypatch):
+    """Samples of one prompt read the prompt's keys and values from one row of their admission
+    (``prefix_rows``), through admissions in several waves and rows compacted as responses end:
+    the tokens and logprobs are those of the SDPA path, which reads every row's own copy."""
+    import asyncio
+
+    import rlcli.backends.decode_attention as DA
+    from rlcli.backends.base import GenerateRequest
+    from rlcli.backends.embedded import EmbeddedBackend
+    from rlcli.testing.backend_conformance import default_context, make_tiny_model_dirs
+    from rlcli.types import SampleParams
+
+    ctx = default_context(make_tiny_model_dirs(tmp_path, arch="qwen2", seed=7)[0])
+    prompts = [[5, 9, 13, 17, 21, 25, 29], [6, 10, 14], list(range(3, 23))]
+    requests = [GenerateRequest(prompts[i % 3], SampleParams(temperature=0.0 if i % 4 == 0 else 1.0,
+                                                             max_tokens=2 + (i * 5) % 9, ignore_eos=True), seed=i)
+                for i in range(11)]
+    seen = []
+    real = DA.decode_attention
+
+    def spy(*args, prefix_rows=None, prefix_lens=None, **kw):
+        if prefix_rows is not None:
+            seen.append((prefix_rows.tolist(), prefix_lens.tolist()))
+        return real(*args, prefix_rows=prefix_rows, prefix_lens=prefix_lens, **kw)
+
+    monkeypatch.setattr(DA, "decode_attention", spy)
+
+    async def run(be):
+        return await asyncio.gather(*(be.generate(r) for r in requests))
+
+    outs = []
+    for attention in ("sdpa", "triton"):
+        be = EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=5, attention=attention), ctx)
+        outs.append(asyncio.run(run(be)))
+        be.shutdown()
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    # some rows read another row's copy of their prompt, for its whole length
+    shared = [(i, r, n) for rows, lens in seen for i, (r, n) in enumerate(zip(rows, lens)) if r != i]
+    assert shared and all(n in (3, 7, 20) for _, _, n in shared)
+
+
 def test_split_rule():
     sms = 132
     assert choose_num_splits(512, 2, 384, sms) == 1  # 1024 programs already fill the GPU
@@ -261,6 +342,12 @@ def test_rejects_bad_arguments():
         decode_attention(q, k, k, pos[:1], 8, 1.0)
     with pytest.raises(ValueError, match="block_n"):
         decode_attention(q, k, k, pos, 8, 1.0, block_n=24)
+    with pytest.raises(ValueError, match="both or neither"):
+        decode_attention(q, k, k, pos, 8, 1.0, prefix_rows=pos)
+    with pytest.raises(ValueError, match="prefix_lens must be an integer tensor"):
+        decode_attention(q, k, k, pos, 8, 1.0, prefix_rows=pos, prefix_lens=pos.float())
+    with pytest.raises(ValueError, match="prefix_rows must be an integer tensor of shape"):
+        decode_attention(q, k, k, pos, 8, 1.0, prefix_rows=pos[:1], prefix_lens=pos)
 
 
 def test_benchmark_script_tiny(tmp_path):
@@ -270,7 +357,10 @@ def test_benchmark_script_tiny(tmp_path):
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     results = json.loads(out.read_text())["results"]
-    assert len(results) == 4 and all(row["max_abs_diff"] < 2e-2 for row in results)
+    # sdpa and triton for both cases, triton_prefix for the rollout case (its rows share a prompt)
+    assert [(r["case"], r["path"]) for r in results] == [
+        ("rollout", "sdpa"), ("rollout", "triton"), ("rollout", "triton_prefix"), ("long", "sdpa"), ("long", "triton")]
+    assert all(row["max_abs_diff"] < 2e-2 for row in results)
 
 
 @pytest.mark.gpu
@@ -318,3 +408,52 @@ def test_gpu_qwen_decode_shape_and_cuda_graph(n, key_len, lo, hi):
         graph.replay()
         torch.cuda.synchronize()
         close(out, sdpa_decode(q, k_cache, v_cache, pos, key_len, scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(IN_INTERPRETER, reason="TRITON_INTERPRET=1 would interpret the kernel")
+def test_gpu_prefix_rows_under_cuda_graph():
+    """A rollout's shape (512 rows, groups of 8 sharing a 64-token prompt, bf16): rows read the
+    prompt from the row ``prefix_rows`` names (their own copy is NaN), eagerly and replayed from a
+    CUDA graph after the prefix rows changed in place; equal to SDPA over full copies."""
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    n, num_heads, kvh, hd, key_len, plen = 512, 14, 2, 64, 384, 64
+    scale = hd**-0.5
+    g = torch.Generator(device=dev).manual_seed(0)
+    full_k = torch.randn(n, kvh, key_len, hd, generator=g, device=dev, dtype=dt)
+    full_v = torch.randn(n, kvh, key_len, hd, generator=g, device=dev, dtype=dt)
+    first = torch.arange(n, device=dev) // 8 * 8
+    full_k[:, :, :plen], full_v[:, :, :plen] = full_k[first, :, :plen], full_v[first, :, :plen]
+    k_cache, v_cache = full_k.clone(), full_v.clone()
+    k_cache[first != torch.arange(n, device=dev), :, :plen] = float("nan")  # only each group's first row holds it
+    v_cache[first != torch.arange(n, device=dev), :, :plen] = float("nan")
+    q = torch.randn(n, num_heads, hd, generator=g, device=dev, dtype=dt)
+    pos = torch.randint(plen, 321, (n,), generator=g, device=dev)
+    rows, lens = first.clone(), torch.full((n,), plen, dtype=torch.int32, device=dev)
+
+    def run():
+        return decode_attention(q, k_cache, v_cache, pos, key_len, scale, prefix_rows=rows, prefix_lens=lens)
+
+    def close(out):
+        torch.testing.assert_close(out.float(), sdpa_decode(q, full_k, full_v, pos, key_len, scale).float(),
+                                   atol=2e-2, rtol=2e-2)
+
+    close(run())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    # the groups' second rows now hold the prompt instead, and the prefix rows say so
+    second = first + 1
+    k_cache[:, :, :plen], v_cache[:, :, :plen] = float("nan"), float("nan")
+    k_cache[second, :, :plen], v_cache[second, :, :plen] = full_k[second, :, :plen], full_v[second, :, :plen]
+    rows.copy_(second)
+    q.copy_(torch.randn(n, num_heads, hd, generator=g, device=dev, dtype=dt))
+    graph.replay()
+    torch.cuda.synchronize()
+    close(out)

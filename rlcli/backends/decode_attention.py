@@ -10,7 +10,10 @@ What it computes
     ``LlamaFamilyModel._decode_layer`` in :mod:`rlcli.backends.embedded` gets from
     ``F.scaled_dot_product_attention(q.view(n, KVH, group, hd), keys, values, attn_mask=mask)``
     with the boolean mask it builds in ``_decode``. Softmax and accumulation are in float32;
-    the result has the dtype of ``q``.
+    the result has the dtype of ``q``. Optionally (``prefix_rows``, ``prefix_lens``) row ``i``
+    reads the keys and values of its positions below ``prefix_lens[i]`` from cache row
+    ``prefix_rows[i]``: the samples of one prompt then read one copy of the prompt (once from
+    memory, then from the L2 cache), with the same result.
 
 Layout
     ``q``: ``[n, H, hd]``; ``k_cache`` / ``v_cache``: ``[R, KVH, Lmax, hd]`` with ``R >= n`` (row
@@ -140,14 +143,23 @@ def _kernels(interpret: bool) -> SimpleNamespace:
     import triton.language as tl
 
     @triton.jit
-    def _attend_block(q, k_base, v_base, block, start, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
-                      stride_kl, stride_vl, qk_scale, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    def _attend_block(q, k_head, v_head, row, src, plen, block, start, end, m_i, l_i, acc, offs_n, offs_d, d_mask,
+                      stride_kr, stride_kl, stride_vr, stride_vl, qk_scale, HAS_PREFIX: tl.constexpr,
+                      PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
         """Online-softmax update of (m_i, l_i, acc) with the keys ``block .. block + BLOCK_N - 1``
-        (those outside ``[start, end)`` are masked and not read)."""
+        (those outside ``[start, end)`` are masked and not read). With HAS_PREFIX, keys below
+        ``plen`` are read from cache row ``src``, the others from ``row``."""
         cols = block + offs_n
         valid = (cols >= start) & (cols < end)
         kv_mask = valid[:, None] & d_mask[None, :]
-        k = tl.load(k_base + cols[:, None] * stride_kl + offs_d[None, :], mask=kv_mask, other=0.0)
+        if HAS_PREFIX:
+            key_row = tl.where(cols < plen, src, row)  # [BLOCK_N] int64
+            k_ptrs = k_head + key_row[:, None] * stride_kr + cols[:, None] * stride_kl + offs_d[None, :]
+            v_ptrs = v_head + key_row[:, None] * stride_vr + cols[:, None] * stride_vl + offs_d[None, :]
+        else:
+            k_ptrs = k_head + row * stride_kr + cols[:, None] * stride_kl + offs_d[None, :]
+            v_ptrs = v_head + row * stride_vr + cols[:, None] * stride_vl + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         if INTERPRET:  # the interpreter's tl.dot multiplies bfloat16 bit patterns as integers
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_G, BLOCK_N], log2 units
@@ -157,7 +169,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + cols[:, None] * stride_vl + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         p = p.to(v.dtype)  # probabilities in the input dtype for the tensor-core product, as SDPA does
         if INTERPRET:
             p = p.to(tl.float32)
@@ -167,7 +179,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
 
     @triton.jit(do_not_specialize=["key_len", "window"])
     def _attn_fwd(
-        Q, K, V, Pos, Out, Lse,
+        Q, K, V, Pos, PrefixRow, PrefixLen, Out, Lse,
         stride_qn, stride_qh,
         stride_kr, stride_kh, stride_kl,
         stride_vr, stride_vh, stride_vl,
@@ -176,7 +188,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         KVH: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
-        ATTEND_BLOCK: tl.constexpr,
+        ATTEND_BLOCK: tl.constexpr, HAS_PREFIX: tl.constexpr,
     ):
         """One (row, kv head, split): all GROUP query heads against the split's keys.
 
@@ -184,6 +196,7 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         the split's normalised partial output into Out [n, H, NUM_SPLITS, hd] (float32) and its
         log2-sum-exp into Lse [n, H, NUM_SPLITS] (-inf for an empty split). ATTEND_BLOCK is
         ``_attend_block``, passed as an argument because the interpreter does not see closures.
+        With HAS_PREFIX the row's keys below PrefixLen[row] are read from cache row PrefixRow[row].
         """
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -212,8 +225,14 @@ def _kernels(interpret: bool) -> SimpleNamespace:
         q = tl.load(q_ptrs, mask=g_mask[:, None] & d_mask[None, :], other=0.0)
         if INTERPRET:
             q = q.to(tl.float32)
-        k_base = K + row64 * stride_kr + kvh * stride_kh
-        v_base = V + row64 * stride_vr + kvh * stride_vh
+        k_head = K + kvh * stride_kh
+        v_head = V + kvh * stride_vh
+        if HAS_PREFIX:
+            src = tl.load(PrefixRow + row).to(tl.int64)
+            plen = tl.load(PrefixLen + row).to(tl.int32)
+        else:
+            src = row64
+            plen = 0
 
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -223,13 +242,15 @@ def _kernels(interpret: bool) -> SimpleNamespace:
             # refuses as a range() bound; a while loop visits the same blocks.
             block = lo
             while block < hi:
-                m_i, l_i, acc = ATTEND_BLOCK(q, k_base, v_base, block, start, end, m_i, l_i, acc, offs_n, offs_d,
-                                              d_mask, stride_kl, stride_vl, qk_scale, PRECISION, INTERPRET)
+                m_i, l_i, acc = ATTEND_BLOCK(q, k_head, v_head, row64, src, plen, block, start, end, m_i, l_i, acc,
+                                              offs_n, offs_d, d_mask, stride_kr, stride_kl, stride_vr, stride_vl,
+                                              qk_scale, HAS_PREFIX, PRECISION, INTERPRET)
                 block += BLOCK_N
         else:
             for block in range(lo, hi, BLOCK_N):
-                m_i, l_i, acc = ATTEND_BLOCK(q, k_base, v_base, block, start, end, m_i, l_i, acc, offs_n, offs_d,
-                                              d_mask, stride_kl, stride_vl, qk_scale, PRECISION, INTERPRET)
+                m_i, l_i, acc = ATTEND_BLOCK(q, k_head, v_head, row64, src, plen, block, start, end, m_i, l_i, acc,
+                                              offs_n, offs_d, d_mask, stride_kr, stride_kl, stride_vr, stride_vl,
+                                              qk_scale, HAS_PREFIX, PRECISION, INTERPRET)
 
         nonempty = l_i > 0.0
         out = acc / tl.where(nonempty, l_i, 1.0)[:, None]
@@ -280,6 +301,8 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     *,
+    prefix_rows: torch.Tensor | None = None,
+    prefix_lens: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -293,7 +316,15 @@ def decode_attention(
     ``j <= positions[i]``, ``j < key_len`` and, if ``window`` is given,
     ``j > positions[i] - window``; query head ``h`` uses KV head ``h // (H // KVH)``.
 
-    The keyword-only arguments are tuning knobs (the defaults are what the engine should use):
+    ``prefix_rows``, ``prefix_lens`` (integer ``[n]``, both or neither): row ``i`` reads its keys
+    and values at positions ``j < prefix_lens[i]`` from cache row ``prefix_rows[i]`` instead of
+    its own (the rows of one prompt's samples all point at one of them, whose copy of the
+    prompt's keys and values is then read from memory once and from the L2 cache by the
+    others). Every such row must hold exactly what row ``i`` would hold there, and every entry
+    of ``prefix_rows`` must be a row of the cache; neither is checked (that would need a device
+    synchronisation). The result is then exactly the one without them.
+
+    The other keyword-only arguments are tuning knobs (the defaults are what the engine should use):
     ``num_splits`` forces the split of the key axis (default :func:`choose_num_splits`),
     ``block_n`` the keys per inner block (a power of two >= 16), ``num_warps`` / ``num_stages``
     the Triton launch parameters of the main kernel (``num_stages`` is the depth of the
@@ -316,6 +347,14 @@ def decode_attention(
         raise ValueError(f"unsupported dtype {q.dtype}")
     if positions.shape != (n,):
         raise ValueError(f"positions must have shape ({n},), got {tuple(positions.shape)}")
+    if (prefix_rows is None) != (prefix_lens is None):
+        raise ValueError("prefix_rows and prefix_lens go together: give both or neither")
+    if prefix_rows is not None:
+        for name, t in (("prefix_rows", prefix_rows), ("prefix_lens", prefix_lens)):
+            if t.shape != (n,) or t.dtype not in (torch.int32, torch.int64) or t.device != q.device:
+                raise ValueError(f"{name} must be an integer tensor of shape ({n},) on {q.device}, got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        prefix_rows, prefix_lens = prefix_rows.contiguous(), prefix_lens.contiguous()
     if not 0 < key_len <= max_len:
         raise ValueError(f"key_len must be in 1..{max_len}, got {key_len}")
     if window is not None and window < 1:
@@ -354,12 +393,14 @@ def decode_attention(
         key_len=key_len, window=_NO_WINDOW if window is None else window, qk_scale=scale * _LOG2E,
         KVH=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
         NUM_SPLITS=num_splits, PRECISION=precision, INTERPRET=interpret,
-        ATTEND_BLOCK=kernels.attend_block, num_warps=num_warps, num_stages=num_stages,
+        ATTEND_BLOCK=kernels.attend_block, HAS_PREFIX=prefix_rows is not None, num_warps=num_warps,
+        num_stages=num_stages,
     )
+    prefix = (prefix_rows, prefix_lens) if prefix_rows is not None else (positions, positions)  # unread without
     grid = (n * kv_heads, num_splits)
     if num_splits == 1:
         kernels.attn_fwd[grid](
-            q, k_cache, v_cache, positions, out, out,
+            q, k_cache, v_cache, positions, *prefix, out, out,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             out.stride(0), out.stride(1), 0, **common,
         )
@@ -367,7 +408,7 @@ def decode_attention(
     part = torch.empty((n, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
     lse = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q.device)
     kernels.attn_fwd[grid](
-        q, k_cache, v_cache, positions, part, lse,
+        q, k_cache, v_cache, positions, *prefix, part, lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         part.stride(0), part.stride(1), part.stride(2), **common,
     )
@@ -382,13 +423,14 @@ def decode_attention(
 @torch.library.custom_op("rlcli::decode_attention", mutates_args=())
 def decode_attention_op(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, key_len: int,
-    scale: float, window: int,
+    scale: float, window: int, prefix_rows: torch.Tensor | None = None, prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`decode_attention` as a PyTorch operator (``window`` 0 = none), so that
     ``torch.compile`` treats the Triton launch as one opaque call inside a compiled decode layer."""
-    return decode_attention(q, k_cache, v_cache, positions, key_len, scale, window or None)
+    return decode_attention(q, k_cache, v_cache, positions, key_len, scale, window or None,
+                            prefix_rows=prefix_rows, prefix_lens=prefix_lens)
 
 
 @decode_attention_op.register_fake
-def _(q, k_cache, v_cache, positions, key_len, scale, window):
+def _(q, k_cache, v_cache, positions, key_len, scale, window, prefix_rows=None, prefix_lens=None):
     return torch.empty_like(q)

@@ -520,7 +520,7 @@ class LlamaFamilyModel:
 
     def decode(
         self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int, allow_cudnn: bool = False,
-        out: torch.Tensor | None = None,
+        out: torch.Tensor | None = None, prefix: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """One token for each of cache rows ``0..n-1``; returns logits ``[n, V]`` in the model dtype.
 
@@ -531,16 +531,19 @@ class LlamaFamilyModel:
         the cache. ``allow_cudnn`` lets SDPA pick cuDNN attention on CUDA (only worth it when the
         shape repeats, as under CUDA-graph replay). ``out`` (``[n, V]``, contiguous) receives the
         logits, written by the output projection itself (no copy of the ``[n, V]`` tensor).
+        ``prefix`` (``rows``, ``lengths``, integer ``[n]``): with Triton attention, row ``i`` reads
+        its keys and values below ``lengths[i]`` from cache row ``rows[i]``, which must hold the
+        same there (see :func:`~rlcli.backends.decode_attention.decode_attention`); ignored by SDPA.
         """
         with _attention_backends(tokens.device, allow_cudnn):
             try:
-                return self._decode(tokens, positions, cache, key_len, out)
+                return self._decode(tokens, positions, cache, key_len, out, prefix)
             except Exception:
                 if self._layer_fn == self._decode_layer:
                     raise
                 log.warning("torch.compile of the decode step failed; decoding eagerly from now on", exc_info=True)
                 self._layer_fn = self._decode_layer
-                return self._decode(tokens, positions, cache, key_len, out)
+                return self._decode(tokens, positions, cache, key_len, out, prefix)
 
     def use_triton_attention(self) -> None:
         """Decode attention through :mod:`rlcli.backends.decode_attention` (reads each row's keys
@@ -557,25 +560,28 @@ class LlamaFamilyModel:
         compilation serves every layer, batch size and key length (those two dimensions are the
         only symbolic ones: model sizes stay constants, see :mod:`rlcli.compiling`); the first
         decode step pays it."""
-        # arguments: layer, h, attn_out, mlp_out, cos, sin, k_cache, v_cache, rows, positions, key_pos, mask
+        # arguments: layer, h, attn_out, mlp_out, cos, sin, k_cache, v_cache, rows, positions, key_pos, mask,
+        # prefix_rows, prefix_lens
         self._layer_fn = compile_rows_dynamic(self._decode_layer, dims={
-            1: (0,), 2: (0,), 3: (0,), 4: (0,), 5: (0,), 8: (0,), 9: (0,), 10: (0,), 11: (0, 3)})
+            1: (0,), 2: (0,), 3: (0,), 4: (0,), 5: (0,), 8: (0,), 9: (0,), 10: (0,), 11: (0, 3), 12: (0,), 13: (0,)})
 
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: "KVCache", key_len: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None,
+                prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         n = tokens.shape[0]
         h = self.embed(tokens)  # [n, D]
         cos, sin = self.rotary(h, positions.unsqueeze(1))  # [n, 1, hd]
         key_pos = torch.arange(key_len, device=tokens.device)  # its length carries key_len into compiled layers
         rows = torch.arange(n, device=tokens.device)
         masks: dict[int | None, torch.Tensor | None] = {}  # one per sliding-window width; None: the Triton kernel masks
+        prefix_args = prefix if prefix is not None and self.triton_attention else (None, None)
         # Each layer hands its two residual branches to the next one unadded (see _decode_layer).
         attn_out, mlp_out = torch.zeros_like(h), torch.zeros_like(h)  # two tensors: compiled code guards on aliasing
         for i, layer in enumerate(self.layers):
             if layer.window not in masks:
                 masks[layer.window] = None if self.triton_attention else decode_mask(positions, key_pos, layer.window)
             h, attn_out, mlp_out = self._layer_fn(layer, h, attn_out, mlp_out, cos, sin, cache.k[i], cache.v[i], rows,
-                                                  positions, key_pos, masks[layer.window])
+                                                  positions, key_pos, masks[layer.window], *prefix_args)
         h = self.final_norm(h + attn_out + mlp_out)
         if out is None:
             return self.lm_head(h)
@@ -586,7 +592,8 @@ class LlamaFamilyModel:
     def _decode_layer(self, layer: _Layer, h: torch.Tensor, attn_out: torch.Tensor, mlp_out: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       rows: torch.Tensor, positions: torch.Tensor, key_pos: torch.Tensor,
-                      mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      mask: torch.Tensor | None, prefix_rows: torch.Tensor | None = None,
+                      prefix_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One decoder layer for one new token per row: writes its key/value into the cache at
         ``positions`` and attends to the cache's first ``len(key_pos)`` positions, through SDPA
         with ``mask`` or, when ``mask`` is None, through the Triton kernel.
@@ -607,7 +614,7 @@ class LlamaFamilyModel:
         v_cache[rows, :, positions] = v.to(v_cache.dtype)
         if mask is None:
             attn = decode_attention_op(q, k_cache, v_cache, positions, key_pos.shape[0], layer.scale,
-                                       layer.window or 0)
+                                       layer.window or 0, prefix_rows, prefix_lens)
         else:
             attn = sdpa_decode_attention(q, k_cache, v_cache, mask, layer.scale)
         attn_out = layer.o_proj(attn.reshape(n, self.num_heads * self.head_dim))
@@ -693,8 +700,10 @@ class CudaGraphDecoder:
     reallocates weights or the KV cache (sleep / wake_up) must call :meth:`reset`.
     """
 
-    def __init__(self, model: LlamaFamilyModel, cache: "KVCache", max_rows: int):
+    def __init__(self, model: LlamaFamilyModel, cache: "KVCache", max_rows: int,
+                 prefix: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.model, self.cache = model, cache
+        self.prefix = prefix  # per-row prefix rows and lengths ([max_rows], fixed addresses): read at replay
         dev = model.device
         with torch.inference_mode():  # like every tensor the engine steps see (compiled code guards on the kind)
             self._tokens = torch.zeros(max_rows, dtype=torch.int64, device=dev)
@@ -722,8 +731,9 @@ class CudaGraphDecoder:
         self._pool = None
 
     def _forward(self, rows: int, key_len: int) -> None:
+        prefix = None if self.prefix is None else (self.prefix[0][:rows], self.prefix[1][:rows])
         self.model.decode(self._tokens[:rows], self._positions[:rows], self.cache, key_len, allow_cudnn=True,
-                          out=self._logits[:rows])
+                          out=self._logits[:rows], prefix=prefix)
 
     def _capture(self, rows: int, key_len: int) -> torch.cuda.CUDAGraph:
         # Warm up eagerly on a side stream (library handles, kernel plans), then capture. Both
@@ -845,7 +855,17 @@ class EmbeddedEngine:
             self._out_lp = torch.zeros(n, self.max_model_len, dtype=torch.float32, device=dev)
             self._out_ver = torch.zeros(n, self.max_model_len, dtype=torch.int64, device=dev)
             self._version_t = torch.tensor(int(version), dtype=torch.int64, device=dev)
+            # Shared prompts (Triton attention): row r reads its first _prefix_lens[r] keys and
+            # values from cache row _prefix_rows[r], the first row holding the same prompt from the
+            # same admission, so a group's prompt is read from memory once per step and from the
+            # L2 cache by its other rows. Fixed addresses: CUDA graphs read them at replay.
+            self._prefix_rows = torch.arange(n, dtype=torch.int64, device=dev)
+            self._prefix_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self._version = int(version)
+        self._h_prefix_id = np.full(n, -1, dtype=np.int64)  # which admitted prompt a row holds (-1: none)
+        self._h_prefix_len = np.zeros(n, dtype=np.int64)
+        self._prefix_ids = 0
+        self._prefix_stale = False  # rows changed since _prefix_rows / _prefix_lens were written
         # host mirrors of per-row state (numpy, vectorised; no per-token Python loops)
         self._h_ctx = np.zeros(n, dtype=np.int64)
         self._h_gen = np.zeros(n, dtype=np.int64)
@@ -875,7 +895,8 @@ class EmbeddedEngine:
         self._captures_read = 0
         self._done: list[tuple[Sequence, GenerateOutput]] = []
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
-            self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size)
+            self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size,
+                                                prefix=(self._prefix_rows, self._prefix_lens))
         self._sample_plain = sample_plain_keyed
 
     def compile_sampler(self) -> None:
@@ -1092,6 +1113,11 @@ class EmbeddedEngine:
         for i, s in enumerate(seqs):
             key = tuple(s.prompt) if self.prefix_sharing else i
             groups.setdefault(key, (s.prompt, []))[1].append(b0 + i)
+        for prompt, rows in groups.values():  # rows that may read one copy of the prompt's keys and values
+            self._prefix_ids += 1
+            self._h_prefix_id[rows] = self._prefix_ids
+            self._h_prefix_len[rows] = len(prompt)
+        self._prefix_stale = True
         uniques = sorted(groups.values(), key=lambda g: -len(g[0]))
         logits_rows = torch.empty(n, self.model.vocab_size, dtype=torch.float32, device=dev)
         computed = 0
@@ -1160,15 +1186,20 @@ class EmbeddedEngine:
         positions = self._ints[:rows, _CTX]
         if rows > b:  # padding rows are free rows: keep their (stale) state in range
             positions = positions.clamp(max=key_len - 1)
+        prefix = None
+        if self.model.triton_attention:
+            if self._prefix_stale:
+                self._write_prefix_rows(b)
+            prefix = (self._prefix_rows[:rows], self._prefix_lens[:rows])
         if self.cuda_graphs is not None:
             try:
                 logits = self.cuda_graphs(tokens, positions, key_len)[:b]
             except Exception:  # capture is an optimisation: fall back to eager for good
                 log.warning("CUDA graph capture failed; decoding without CUDA graphs", exc_info=True)
                 self.cuda_graphs = None
-                logits = self.model.decode(tokens, positions, self.cache, key_len)[:b]
+                logits = self.model.decode(tokens, positions, self.cache, key_len, prefix=prefix)[:b]
         else:
-            logits = self.model.decode(tokens, positions, self.cache, key_len)[:b]
+            logits = self.model.decode(tokens, positions, self.cache, key_len, prefix=prefix)[:b]
         self._ints[:b, _CTX] += 1
         self._h_ctx[:b] += 1
         rows_np = np.arange(b)
@@ -1188,6 +1219,19 @@ class EmbeddedEngine:
         self._h_gen[:b] -= stopped
         self._finish_where_done(rows_np, stopped, done)
         return b - extra
+
+    def _write_prefix_rows(self, b: int) -> None:
+        """Point each active row at the first active row holding the same admitted prompt (itself
+        when it is the first). Any row of the group would do: each holds its own copy of the
+        prompt's keys and values, written once at admission and never changed by decoding."""
+        ids = self._h_prefix_id[:b]
+        _, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+        src = first[inverse.reshape(-1)]
+        src = np.where(ids >= 0, src, np.arange(b))
+        lens = np.where(ids >= 0, self._h_prefix_len[:b], 0)
+        self._prefix_rows[:b].copy_(torch.from_numpy(src.astype(np.int64)), non_blocking=True)
+        self._prefix_lens[:b].copy_(torch.from_numpy(lens.astype(np.int32)), non_blocking=True)
+        self._prefix_stale = False
 
     def _issue_flags(self, stop: torch.Tensor) -> int:
         """Start copying ``stop`` (device bools, rows ``0..len-1``) into the free host buffer, make
@@ -1338,6 +1382,7 @@ class EmbeddedEngine:
             for a in (
                 self._h_ctx, self._h_gen, self._h_max_new, self._h_min_new,
                 self._h_top_k, self._h_top_p, self._h_temp, self._h_greedy, self._h_has_stop, self._h_flag_src,
+                self._h_prefix_id, self._h_prefix_len,
             ):  # fmt: skip
                 a[dst_np] = a[src_np]
             for h, m in zip(holes, movers):
@@ -1346,7 +1391,9 @@ class EmbeddedEngine:
                 seq.row = h
         for r in range(new_b, b):
             self._rows[r] = None
+        self._h_prefix_id[new_b:b] = -1
         self._active = new_b
+        self._prefix_stale = True
 
 
 # ------------------------------------------------------------------------------------------
