@@ -132,3 +132,45 @@ def test_bad_inputs_and_configs():
         PassAtKAdvantage.Config(k=0)
     with pytest.raises(ValidationError):
         GRPOAdvantage.Config(epsilon=1.0)
+
+
+@pytest.mark.parametrize("name,options", [("grpo", {}), ("grpo", {"std": "biased", "eps": 0.0}), ("dr_grpo", {}),
+                                          ("rloo", {}), ("pass_at_k", {"k": 2})])
+def test_compute_groups_equals_compute_per_group(name, options):
+    """Many groups at once (the batched pass of the built-ins, the per-group loop otherwise) give
+    exactly the advantages ``compute`` gives each group, degenerate groups included."""
+    cls = get_registry().get("advantage_estimator", name)
+    est = cls(cls.Config(**options))
+    rng = random.Random(0)
+    for k in (2, 3, 8, 16):
+        groups = [[rng.choice([0.0, 1.0, rng.random(), rng.gauss(0, 3), float(rng.randint(0, 6))]) for _ in range(k)]
+                  for _ in range(40)]
+        groups += [[1.0] * k, [0.0] * k, [2.5] * (k - 1) + [0.5]]  # all equal (no signal), one different
+        lengths = [[rng.randint(1, 50) for _ in range(k)] for _ in groups]
+        want = [est.compute(torch.tensor(r, dtype=torch.float32), torch.tensor(n, dtype=torch.float32)).tolist()
+                for r, n in zip(groups, lengths)]
+        assert est.compute_groups(groups, lengths) == want
+    # unequal sizes, a group of one, and a non-finite reward take the per-group path (which raises)
+    mixed = [[1.0, 0.0, 1.0], [0.5], [3.0, 1.0]]
+    assert est.compute_groups(mixed, [[1] * len(r) for r in mixed]) == [
+        est.compute(torch.tensor(r, dtype=torch.float32)).tolist() for r in mixed]
+    with pytest.raises(ValueError, match="finite"):
+        est.compute_groups([[1.0, 0.0], [float("nan"), 1.0]], [[1, 1], [1, 1]])
+
+
+def test_sequences_from_groups_uses_an_estimator_without_compute_groups():
+    """A duck-typed estimator with only ``compute`` (not derived from the base class) still works."""
+    from rlcli.runner.common import sequences_from_groups
+    from rlcli.types import Group, Sample, Status
+
+    class Centered:
+        def compute(self, rewards, lengths=None):
+            return rewards - rewards.mean()
+
+    def sample(uid, score):
+        return Sample(uid=uid, group_id=0, task_name="t", prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-1.0, -1.0],
+                      response_mask=[1, 1], token_versions=[0, 0], status=Status.COMPLETED, reward={"score": score})
+
+    group = Group(group_id=0, task_name="t", samples=[sample(0, 1.0), sample(1, 0.0), sample(2, 0.5)])
+    seqs, adv = sequences_from_groups([group], Centered())
+    assert adv == [0.5, -0.5, 0.0] and [s.advantage for s in seqs] == adv

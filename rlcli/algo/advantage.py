@@ -2,7 +2,10 @@
 
 Every estimator is a registered component of kind ``advantage_estimator`` with one method,
 ``compute(rewards, lengths) -> advantages``, over the ``k`` samples of one prompt. The math runs
-in float64 and the result is returned as float32. Degenerate groups never produce NaN: a group
+in float64 and the result is returned as float32. ``compute_groups`` does many groups at once
+(the runner calls it once per step); by default it calls ``compute`` per group, and the GRPO,
+Dr. GRPO and RLOO estimators compute groups of equal size in one batched pass that gives the
+same values (a few tensor operations per step instead of a dozen per group). Degenerate groups never produce NaN: a group
 of one sample, or a group whose rewards are all equal, carries no relative signal and gets
 advantage 0 (except RLOO with ``k = 1``, which by definition returns the raw reward).
 """
@@ -39,6 +42,27 @@ class AdvantageEstimator(Component):
         """``rewards``: ``[k]`` scores of one group; ``lengths``: ``[k]`` response lengths (optional)."""
         raise NotImplementedError
 
+    def compute_groups(self, rewards: list[list[float]], lengths: list[list[int]]) -> list[list[float]]:
+        """The advantages of many groups: ``compute`` of each group's rewards and lengths (as
+        float32 tensors), as lists."""
+        return [self.compute(torch.tensor(r, dtype=torch.float32), torch.tensor(n, dtype=torch.float32)).tolist()
+                for r, n in zip(rewards, lengths)]
+
+    def _batched(self, rewards: list[list[float]]) -> torch.Tensor | None:
+        """The rewards as one float64 ``[groups, k]`` tensor (rounded through float32, as
+        ``compute_groups`` hands them to ``compute``) when every group has the same size of at
+        least two and every reward is finite; None otherwise (the per-group path handles it)."""
+        if not rewards or len({len(r) for r in rewards}) != 1 or len(rewards[0]) < 2:
+            return None
+        r = torch.tensor(rewards, dtype=torch.float32).double()
+        return r if bool(torch.isfinite(r).all()) else None
+
+
+def _zero_equal_rows(r: torch.Tensor, adv: torch.Tensor) -> list[list[float]]:
+    """``adv`` with the rows of groups whose rewards are all equal set to 0, as lists."""
+    adv[r.amax(1) == r.amin(1)] = 0.0
+    return adv.tolist()
+
 
 class GRPOAdvantage(AdvantageEstimator):
     """GRPO: reward minus the group mean, divided by the group std (+ eps)."""
@@ -58,6 +82,13 @@ class GRPOAdvantage(AdvantageEstimator):
         std = r.std(unbiased=self.config.std == "unbiased")
         return ((r - r.mean()) / (std + self.config.eps)).float()
 
+    def compute_groups(self, rewards: list[list[float]], lengths: list[list[int]]) -> list[list[float]]:
+        r = self._batched(rewards)
+        if r is None:
+            return super().compute_groups(rewards, lengths)
+        std = r.std(dim=1, unbiased=self.config.std == "unbiased", keepdim=True)
+        return _zero_equal_rows(r, ((r - r.mean(dim=1, keepdim=True)) / (std + self.config.eps)).float())
+
 
 class DrGRPOAdvantage(AdvantageEstimator):
     """Dr. GRPO: reward minus the group mean, without std normalisation."""
@@ -72,6 +103,12 @@ class DrGRPOAdvantage(AdvantageEstimator):
         if _all_equal(r):
             return torch.zeros(r.numel(), dtype=torch.float32)
         return (r - r.mean()).float()
+
+    def compute_groups(self, rewards: list[list[float]], lengths: list[list[int]]) -> list[list[float]]:
+        r = self._batched(rewards)
+        if r is None:
+            return super().compute_groups(rewards, lengths)
+        return _zero_equal_rows(r, (r - r.mean(dim=1, keepdim=True)).float())
 
 
 class RLOOAdvantage(AdvantageEstimator):
@@ -90,6 +127,13 @@ class RLOOAdvantage(AdvantageEstimator):
         if _all_equal(r):
             return torch.zeros(k, dtype=torch.float32)
         return (r - (r.sum() - r) / (k - 1)).float()
+
+    def compute_groups(self, rewards: list[list[float]], lengths: list[list[int]]) -> list[list[float]]:
+        r = self._batched(rewards)
+        if r is None:
+            return super().compute_groups(rewards, lengths)
+        k = r.shape[1]
+        return _zero_equal_rows(r, (r - (r.sum(dim=1, keepdim=True) - r) / (k - 1)).float())
 
 
 class PassAtKAdvantage(AdvantageEstimator):

@@ -201,19 +201,22 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
 
 def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=None, consumer_step=None):
     """Per-group advantages -> training sequences (FAILED members are left out)."""
+    from rlcli.algo.advantage import AdvantageEstimator
     from rlcli.replay_buffer import token_keep_mask
     from rlcli.train.data import TrainSequence
 
     seqs: list[TrainSequence] = []
     adv_values: list[float] = []
-    for g in groups:
-        members = [s for s in g.samples if s.status == Status.COMPLETED and s.reward is not None and s.response_ids]
-        if not members:
-            continue
-        rewards = torch.tensor([s.score for s in members], dtype=torch.float32)
-        lengths = torch.tensor([len(s.response_ids) for s in members], dtype=torch.float32)
-        adv = estimator.compute(rewards, lengths)
-        for s, a in zip(members, adv.tolist()):
+    kept = [m for m in ([s for s in g.samples if s.status == Status.COMPLETED and s.reward is not None
+                          and s.response_ids] for g in groups) if m]
+    rewards = [[s.score for s in members] for members in kept]
+    lengths = [[len(s.response_ids) for s in members] for members in kept]
+    if hasattr(estimator, "compute_groups"):  # every group at once
+        advantages = estimator.compute_groups(rewards, lengths)
+    else:  # an estimator with the per-group method only: the base class's loop over it
+        advantages = AdvantageEstimator.compute_groups(estimator, rewards, lengths)
+    for members, adv in zip(kept, advantages):
+        for s, a in zip(members, adv):
             mask = token_keep_mask(s, consumer_step, token_stale_threshold) if consumer_step is not None \
                 else (s.response_mask or [1] * len(s.response_ids))
             seqs.append(TrainSequence(
