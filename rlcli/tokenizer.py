@@ -16,11 +16,14 @@ import asyncio
 import concurrent.futures
 import copy
 import json
+import logging
 import threading
 from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
 _SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -185,12 +188,22 @@ class DecodeBatcher:
             batch = self._pending[loop] = []
             loop.call_soon(self._flush, loop)
         batch.append((ids, bool(skip_special_tokens), fut))
-        if self._background and len(batch) >= self.chunk:
+        if self._background and len(batch) >= self.chunk and self._ensure_background_tok():
             self._pending[loop] = []  # the flush already scheduled takes what comes after
-            if self._background_tok is None:
-                self._background_tok = copy.deepcopy(self.tok._tokenizer)
             _decode_pool().submit(self._decode_in_background, loop, batch)
         return await fut
+
+    def _ensure_background_tok(self) -> bool:
+        """Make the background thread's copy of the Rust tokenizer; a tokenizer that cannot be
+        copied is decoded on the loop's thread from then on."""
+        if self._background_tok is None:
+            try:
+                self._background_tok = copy.deepcopy(self.tok._tokenizer)
+            except Exception:  # noqa: BLE001
+                log.warning("cannot copy the tokenizer for background decoding; decoding on the event loop's thread",
+                            exc_info=True)
+                self._background = False
+        return self._background
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         rest = self._pending.pop(loop, [])

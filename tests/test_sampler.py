@@ -234,3 +234,10 @@ def test_decode_batcher_without_the_rust_fast_path_decodes_every_chunk_inline(mo
     assert batcher._background_tok is None
     with pytest.raises(ValueError, match="chunk"):
         T.DecodeBatcher(tok, chunk=0)
+
+    # a Rust tokenizer that cannot be copied for the background thread: decoded inline from then on
+    monkeypatch.undo()
+    batcher = T.DecodeBatcher(tok, chunk=4)
+    monkeypatch.setattr(T.copy, "deepcopy", lambda x: (_ for _ in ()).throw(TypeError("cannot pickle")))
+    assert asyncio.run(many()) == [tok.decode(s, skip_special_tokens=True) for s in seqs]
+    assert batcher._background_tok is None and not batcher._background
