@@ -363,6 +363,21 @@ def test_benchmark_script_tiny(tmp_path):
     assert all(row["max_abs_diff"] < 2e-2 for row in results)
 
 
+def capture_graph(fn, warmups: int = 1):
+    """``fn`` run ``warmups`` times on a side stream (kernels built before capture, as torch
+    recommends), then one call captured in a CUDA graph: (graph, the call's output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.skipif(IN_INTERPRETER, reason="TRITON_INTERPRET=1 would interpret the kernel")
@@ -392,15 +407,7 @@ def test_gpu_qwen_decode_shape_and_cuda_graph(n, key_len, lo, hi):
     close(decode_attention(q, k_cache, v_cache, pos, key_len, scale, window=100),
           sdpa_decode(q, k_cache, v_cache, pos, key_len, scale, window=100))
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (kernels built) before capture, as torch recommends
-        for _ in range(2):
-            decode_attention(q, k_cache, v_cache, pos, key_len, scale)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = decode_attention(q, k_cache, v_cache, pos, key_len, scale)
+    graph, out = capture_graph(lambda: decode_attention(q, k_cache, v_cache, pos, key_len, scale), warmups=2)
     for _ in range(2):
         new_q, new_pos = inputs()
         q.copy_(new_q)
@@ -440,14 +447,7 @@ def test_gpu_prefix_rows_under_cuda_graph():
                                    atol=2e-2, rtol=2e-2)
 
     close(run())
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    graph, out = capture_graph(run)
     # the groups' second rows now hold the prompt instead, and the prefix rows say so
     second = first + 1
     k_cache[:, :, :plen], v_cache[:, :, :plen] = float("nan"), float("nan")
