@@ -257,7 +257,7 @@ class TrainWorkerConfig(Strict):
         "(two fused passes over the logits instead of about ten eager ones). Ignored on CPU.")
     head_grad_in_forward: bool = Field(
         True, description="When every token's loss gradient is known before the forward pass (one optimizer "
-        "step per batch, a ratio-only policy loss, no KL penalty, no rollout IS weighting or masking), compute "
+        "step per batch, a ratio-only policy loss, no KL penalty or entropy bonus, no rollout IS weighting or masking), compute "
         "the LM head's gradient in the forward pass while each chunk's logits exist, instead of projecting "
         "every chunk again in the backward pass. Same gradients; otherwise ignored.")
     pack_layout: Literal["auto", "packed", "padded"] = Field(
@@ -270,11 +270,15 @@ class TrainWorkerConfig(Strict):
         "per-token layer skips the repeated prompt tokens, attention still sees each response with its own "
         "prompt. Same results up to floating-point order; pack_max_length then counts each prompt once. "
         "Requires pack_layout auto.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: minus this times the policy's entropy at each trained token, "
+        "aggregated like the policy loss (loss.loss_agg), is added to the loss; it keeps sampling exploratory "
+        "(verl's entropy_coeff). 0 disables it.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the frozen initial policy: "
                          "{coef, type, ref_offload}; coef 0 (the default) disables it.")
     rollout_is: RolloutISConfig | None = Field(
-        None, description="Correct the rollout/training logprob mismatch with importance sampling; null: off. "
-        "{} reports the mismatch/* metrics without changing the loss.")
+        None, description="Correct the rollout/training logprob mismatch with importance sampling; null: no "
+        "correction. The mismatch/* metrics are reported every step either way.")
 
     @model_validator(mode="after")
     def _check_share_prompts(self):

@@ -466,6 +466,7 @@ def test_sleep_1_keeps_decode_graphs_only_while_the_cache_returns_to_its_address
             resets.append(1)
 
     be.engine.cuda_graphs = Graphs()
+    be.keeps_cache_asleep = False  # as on a GPU
     be.sleep(1)
     assert cache.address is None
     be.wake_up()
@@ -503,10 +504,13 @@ def test_kv_cache_is_always_finite(model_dir):
     be = make(model_dir, max_batch_size=8)
     cache = be.engine.cache
     assert all(torch.count_nonzero(t) == 0 for t in cache.k + cache.v)
-    be.sleep(1)
+    be.sleep(2)
     assert not cache.allocated
     be.wake_up()
     assert all(torch.count_nonzero(t) == 0 for t in cache.k + cache.v)
+    be.sleep(1)  # on the CPU level 1 keeps the cache (host memory either way): nothing to allocate again
+    assert cache.allocated
+    be.wake_up()
     outs = run_all(be, [req(list(range(4, 4 + n)), seed=n, max_tokens=3 * n, ignore_eos=True) for n in (1, 5, 9, 13)])
     assert all(len(o.token_ids) == len(o.logprobs) and all(lp > -1e4 for lp in o.logprobs) for o in outs)
     be.shutdown()

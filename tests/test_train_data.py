@@ -172,6 +172,8 @@ def test_choose_layout():
     cost = LayoutCost(per_token=2 * (64 * 16 * 12 + 3 * 64 * 128), per_pair=4 * 64)
     assert choose_layout([4] * 800, 8192, cost) == "padded"
     assert choose_layout([4] * 800, 1000, cost) == "packed"  # 3200 padded tokens exceed the limit
+    assert choose_layout([11] + [9] * 1023, 8192, cost) == "padded"  # 11264 padded: dense packing would cost T^2
+    assert choose_layout([11] + [9] * 1023, 8192, LayoutCost(cost.per_token, cost.per_pair, varlen=True)) == "packed"
     assert choose_layout([2000] + [3] * 100, 8192, cost) == "packed"  # padding would be 50x the tokens
     assert choose_layout([4] * 800, 8192, LayoutCost(cost.per_token, cost.per_pair, varlen=True)) == "packed"
     assert choose_layout([7], 8192, cost) == "packed"
@@ -278,6 +280,29 @@ def test_chunked_logprobs_equal_unchunked_values_and_grads(with_bias):
         for a, b in zip(got, ref):
             if b is not None:
                 assert torch.allclose(a.double(), b.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_logp", [True, False])
+def test_chunked_entropy_gradient_equals_autograd(with_logp):
+    """The entropy bonus (train_worker.entropy_coef) differentiates the chunked entropy: its
+    gradient, alone or beside the logprobs', is the one autograd gives the unchunked softmax."""
+    torch.manual_seed(1)
+    n, h, v = 29, 8, 23
+    hidden, weight, bias = torch.randn(n, h), torch.randn(v, h) * 0.7, torch.randn(v)
+    labels, inv_t = torch.randint(0, v, (n,)), torch.rand(n) + 0.5
+    g_lp, g_ent = torch.randn(n), torch.randn(n)
+
+    def grads(fn):
+        hs, ws, bs = (t.clone().double().requires_grad_(True) for t in (hidden, weight, bias))
+        lp, ent = fn(hs, ws, bs)
+        ((lp * g_lp).sum() * with_logp + (ent * g_ent).sum()).backward()
+        return hs.grad, ws.grad, bs.grad
+
+    ref = grads(lambda hs, ws, bs: _naive(hs, ws, bs, labels, inv_t))
+    for chunk in (4, 1000):
+        got = grads(lambda hs, ws, bs: chunked_logprobs(hs, ws, bs, labels, inv_t, chunk))
+        for a, b in zip(got, ref):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_chunked_logprobs_unit_temperature_and_no_entropy():

@@ -303,7 +303,6 @@ def test_kl_off_loads_no_reference(model_dir):
     w = make_worker(model_dir)
     m = w.train_step(make_batch(n=8))
     assert w.ref_model is None and "train/kl_ref" not in m
-    assert not any(k.startswith("mismatch/") for k in m)
     evaluating = make_worker(model_dir, kl={"coef": 0.1})
     evaluating.compute_logprobs(make_batch(n=4))
     assert evaluating.ref_model is None  # built on the first train step only
@@ -509,6 +508,25 @@ def test_rollout_is_without_thresholds_only_reports(model_dir):
     assert mb["mismatch/is_mean"] == pytest.approx(sum(math.exp(x) for x in d) / len(d), rel=1e-5)
     assert mb["mismatch/masked_frac"] == 0.0 and mb["mismatch/veto_frac"] == 0.0
     assert 0 < mb["mismatch/ess"] <= 1
+    # measured whether or not a correction is configured: the same figures without the section
+    for key in ("mismatch/kl", "mismatch/k3_kl", "mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff_max"):
+        assert ma[key] == pytest.approx(mb[key], abs=1e-9), key
+    assert ma["mismatch/logprob_abs_diff_max"] == pytest.approx(max(abs(x) for x in d), abs=1e-5)
+    assert ma["mismatch/logprob_abs_diff_max"] >= ma["mismatch/logprob_abs_diff"]
+
+
+def test_entropy_bonus_adds_its_term_and_raises_the_entropy(model_dir):
+    """train_worker.entropy_coef: the loss gains -coef * token-mean entropy, and the update makes
+    the policy's entropy higher than the same step without it (the head's gradient then takes
+    the ordinary backward pass, which carries the entropy's)."""
+    seqs = make_batch(n=16, seed=3)
+    plain, bonus = make_worker(model_dir), make_worker(model_dir, entropy_coef=0.5)
+    assert plain._head_grad_ahead() and not bonus._head_grad_ahead()
+    mp, mb = plain.train_step(seqs), bonus.train_step(seqs)
+    assert mp["train/entropy"] == pytest.approx(mb["train/entropy"], abs=1e-6)  # same weights before the step
+    assert mb["train/loss"] == pytest.approx(mp["train/loss"] - 0.5 * mp["train/entropy"], abs=1e-5)
+    after_plain, after_bonus = plain.train_step(seqs), bonus.train_step(seqs)
+    assert after_bonus["train/entropy"] > after_plain["train/entropy"] + 1e-3
 
 
 def test_old_logprob_pass_runs_only_when_needed(model_dir, monkeypatch):

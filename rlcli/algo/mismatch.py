@@ -18,7 +18,8 @@ with the exponent clamped to [-20, 20]. ``train_worker.rollout_is`` (``RolloutIS
   lies outside ``[veto_lower, veto_upper]``, whatever the mode.
 
 Dropped tokens behave as label -100: no loss and not counted in the loss normaliser. A band with
-both bounds null is off; with every band off only the metrics are computed. Tokens without a
+both bounds null is off; with every band off (or no ``rollout_is`` section at all) only the
+metrics are computed: the trainer reports them every step. Tokens without a
 rollout log-prob are left alone (weight 1, kept) and are not part of the metrics.
 
 Metrics (``mismatch/*``, means over tokens with a rollout log-prob unless said otherwise; the KL
@@ -26,7 +27,7 @@ estimates are of KL(rollout || training) on the rollout's samples)::
 
     kl                 mean(rollout - old)                         k1 estimate
     k3_kl              mean(exp(old - rollout) - 1 - (old - rollout))
-    logprob_abs_diff   mean |old - rollout|
+    logprob_abs_diff   mean |old - rollout|; logprob_abs_diff_max: its largest token
     log_ppl_diff       per sequence: log ppl(training) - log ppl(rollout) = mean_t(rollout - old),
                        then mean over sequences; also _abs, _max, _min
     ppl_ratio          mean over sequences of ppl(training) / ppl(rollout)
@@ -186,6 +187,7 @@ def rollout_correction(
     neg, pos = torch.tensor(-math.inf, **f64), torch.tensor(math.inf, **f64)
     maxes = {
         "mismatch/is_max": torch.where(valid, raw, neg).max() if raw.numel() else neg,
+        "mismatch/logprob_abs_diff_max": torch.where(valid, delta.abs(), neg).max() if raw.numel() else neg,
         "mismatch/log_ppl_diff_max": torch.where(seq_has, log_ppl_diff, neg).max() if num_seqs else neg,
     }
     mins = {

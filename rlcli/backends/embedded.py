@@ -152,8 +152,11 @@ def filter_top_k_top_p(
 
 
 def _cdf_block(vocab: int) -> int:
-    """Block width of the two-level CDF: the largest power of two up to 1024 that divides the
-    vocabulary (no padding), else 1024 (the scores are padded with ``-inf``)."""
+    """Block width of the two-level CDF: the whole vocabulary when it has at most 1024 tokens (one
+    block), else the largest power of two up to 1024 that divides it (no padding), else 1024 (the
+    scores are padded with ``-inf``)."""
+    if vocab <= 1024:
+        return vocab
     for b in (1024, 512, 256, 128):
         if vocab % b == 0:
             return b
@@ -1516,6 +1519,9 @@ class EmbeddedBackend(InferenceBackend):
         self._lock = threading.Lock()
         self._paused = False
         self._asleep = 0
+        #: sleep(1) keeps the KV cache: on the CPU it is host memory either way, and allocating it again
+        #: at each wake-up is a full zero-fill (5 % of a toy recipe's step)
+        self.keeps_cache_asleep = self._device.type == "cpu"
         self._closed = False
         self._driver: asyncio.Task | None = None
         self._driver_loop: asyncio.AbstractEventLoop | None = None
@@ -1689,8 +1695,8 @@ class EmbeddedBackend(InferenceBackend):
             self._engine.set_version(version)
 
     def sleep(self, level: int = 1) -> None:
-        """Release device memory: the KV cache (level 1) and also the weights (level 2, moved to
-        CPU memory). Requests still in flight are aborted; requests made while asleep wait for
+        """Release device memory: the KV cache (level 1; kept on the CPU, where it is host memory
+        anyway) and also the weights (level 2, moved to CPU memory). Requests still in flight are aborted; requests made while asleep wait for
         :meth:`wake_up`. On CPU the weights stay where they are. Level 1 leaves the freed memory
         in PyTorch's caching allocator, where a trainer in the same process reuses it at no cost,
         and keeps the captured decode graphs (their memory pool stays allocated);
@@ -1703,7 +1709,8 @@ class EmbeddedBackend(InferenceBackend):
                 self._engine.reset_cuda_graphs()
             else:  # kept while the cache comes back at the same address (see wake_up)
                 self._graphs_cache_address = self._engine.cache.address
-            self._engine.cache.free()
+            if not self.keeps_cache_asleep or level == 2:
+                self._engine.cache.free()
             if level == 2 and self._device.type == "cuda":
                 self._model.to("cpu")
             if self._device.type == "cuda":

@@ -75,6 +75,7 @@ from rlcli.algo.mismatch import (
     vetoes,
 )
 from rlcli.compiling import compile_rows_dynamic
+from rlcli.config import RolloutISConfig
 from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
 from rlcli.fsutil import publish_dir
 from rlcli.models import resolve_dtype
@@ -95,6 +96,9 @@ from rlcli.train.data import (
 from rlcli.train.lr import build_scheduler
 
 log = logging.getLogger(__name__)
+
+#: ``rollout_is`` when the recipe sets none: the ``mismatch/*`` metrics, no weighting, nothing dropped.
+METRICS_ONLY = RolloutISConfig()
 
 if TYPE_CHECKING:
     from rlcli.algo.loss import PolicyLoss
@@ -158,6 +162,19 @@ def _dlogits_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor
     d = x.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
     d.scatter_add_(1, labels.unsqueeze(1), g.unsqueeze(1))
     return d.to(logits.dtype)
+
+
+def _dentropy(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_temp: torch.Tensor | None) -> torch.Tensor:
+    """``d(g * entropy) / d logits`` of ``softmax(logits * inv_temp)``, float32: with ``x`` the
+    scaled logits and ``log p = x - lse``, ``dH/dx = -p * (log p + H)``; times ``inv_temp``."""
+    x = logits.float()
+    if inv_temp is not None:
+        x = x * inv_temp.unsqueeze(1)
+        g = g * inv_temp
+    logp = x - lse.unsqueeze(1)
+    p = logp.exp()
+    ent = -(p * logp).sum(dim=-1, keepdim=True)
+    return -(p * (logp + ent)) * g.unsqueeze(1)
 
 
 def _stats_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None, g: torch.Tensor,
@@ -297,7 +314,7 @@ class _ChunkedLogprob(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, labels, inv_temp, lse_all)
         ctx.chunk_size = chunk_size
         ctx.fused = fused
-        ctx.mark_non_differentiable(ent)
+        ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) brings no gradient
         return logp, ent
 
     @staticmethod
@@ -305,16 +322,20 @@ class _ChunkedLogprob(torch.autograd.Function):
         hidden, weight, bias, labels, inv_temp, lse_all = ctx.saved_tensors
         grads = _HeadGrads(hidden, weight, bias, *ctx.needs_input_grad[:3])
         n = hidden.shape[0]
+        zero = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         for s in range(0, n, ctx.chunk_size):
             e = min(n, s + ctx.chunk_size)
             it = None if inv_temp is None else inv_temp[s:e]
             logits = _chunk_logits(hidden[s:e], weight, bias)
-            g = grad_logp[s:e].float()
+            g = (grad_logp if grad_logp is not None else zero)[s:e].float()
             if it is not None:
                 g = g * it
+            dl_ent = None if grad_ent is None else _dentropy(logits, lse_all[s:e], grad_ent[s:e].float(), it)
             dl = _FUSED.call("dlogits", _dlogits, hidden.device, ctx.fused, logits, lse_all[s:e], labels[s:e], g, it,
                              eager=_dlogits_eager)
             del logits
+            if dl_ent is not None:
+                dl = (dl.float() + dl_ent).to(dl.dtype)
             grads.add(dl, hidden, weight, s, e)
         return (*grads.result(weight, bias), None, None, None, None, None)
 
@@ -406,8 +427,9 @@ def chunked_logprobs(
 
     ``hidden``: ``[N, h]``; ``labels``, ``inv_temperature``: ``[N]`` (None: temperature 1).
     float32 softmax math, at most ``chunk_size`` rows of logits at a time, also in backward (which
-    recomputes each chunk from the saved log-normaliser). Entropy carries no gradient; with
-    ``with_entropy=False`` it is skipped (an empty tensor is returned). ``fused``: on CUDA, run the
+    recomputes each chunk from the saved log-normaliser). Both carry gradients (the entropy's for
+    an entropy bonus, ``train_worker.entropy_coef``); with ``with_entropy=False`` the entropy is
+    skipped (an empty tensor is returned). ``fused``: on CUDA, run the
     per-chunk softmax math through ``torch.compile`` (a couple of fused passes over the logits
     instead of a dozen eager ones).
     """
@@ -790,7 +812,7 @@ class TrainWorker:
 
     def _rollout_correction(self, mb: MicroBatch, old_logp: torch.Tensor, m: _Metrics) -> RolloutCorrection:
         c = rollout_correction(old_logp, mb.rollout_logprobs, mb.has_rollout_logprobs, mb.seq_local,
-                               len(mb.seq_indices), self.cfg.rollout_is)
+                               len(mb.seq_indices), self.cfg.rollout_is or METRICS_ONLY)
         for name, (total, count) in c.sums.items():
             m.add_sum(name, total, count)
         for name, value in {**c.maxes, **c.mins}.items():
@@ -820,10 +842,10 @@ class TrainWorker:
         It is when the update is the batch's first and only one (the old logprobs are the
         current ones, detached: the ratio is exactly 1), the loss depends on the logprobs only
         through ``logp - old_logp`` (:attr:`PolicyLoss.ratio_only`), and nothing else in the
-        loss reads the logprobs' values: no KL penalty, and rollout IS neither weights nor drops
-        tokens (a metrics-only ``rollout_is: {}`` is fine)."""
+        loss reads the logprobs' values: no KL penalty, no entropy bonus, and rollout IS neither
+        weights nor drops tokens (a metrics-only ``rollout_is: {}`` is fine)."""
         cfg, is_cfg = self.cfg, self.cfg.rollout_is
-        if not cfg.head_grad_in_forward or cfg.optimizer_steps != 1 or cfg.kl.coef > 0:
+        if not cfg.head_grad_in_forward or cfg.optimizer_steps != 1 or cfg.kl.coef > 0 or cfg.entropy_coef > 0:
             return False
         if is_cfg is not None and (truncates(is_cfg) or masks(is_cfg) or vetoes(is_cfg)):
             return False
@@ -847,8 +869,9 @@ class TrainWorker:
 
     # -------------------------------------------------------------------------- train
     def train_step(self, seqs: list[TrainSequence]) -> dict[str, float]:
-        """One RL step on this rank's sequences (collective). Returns ``train/*`` metrics (global),
-        plus ``mismatch/*`` when ``rollout_is`` is set."""
+        """One RL step on this rank's sequences (collective). Returns ``train/*`` and ``mismatch/*``
+        metrics (global); the engine-trainer mismatch is measured whether or not ``rollout_is``
+        corrects for it."""
         t0 = time.perf_counter()
         k = self.cfg.optimizer_steps
         is_cfg = self.cfg.rollout_is
@@ -895,12 +918,11 @@ class TrainWorker:
                 if ahead:  # the head's gradient is computed in the forward pass; logp, ent carry none
                     head_value, logp, ent = self._forward(
                         mb, grad_logp=self._on_policy_grad(mb, num_tokens[j], num_seqs[j]))
-                else:
-                    logp, ent = self._forward(mb, with_entropy=old is None)  # else taken from the old pass
+                else:  # the entropy comes from the old pass when there is one, unless the loss needs it
+                    logp, ent = self._forward(mb, with_entropy=old is None or self.cfg.entropy_coef > 0)
                 # k == 1: the weights have not moved since any old pass, so the ratio is exactly 1.
                 old_logp = old[j][mi] if k > 1 else logp.detach()
-                c = corr[j][mi] if corr is not None else (
-                    self._rollout_correction(mb, old_logp, m) if is_cfg is not None else None)
+                c = corr[j][mi] if corr is not None else self._rollout_correction(mb, old_logp, m)
                 if c is not None and c.keep is not None:
                     mask, n_kept = c.keep, c.keep.sum()
                 else:
@@ -912,6 +934,8 @@ class TrainWorker:
                 w = aggregation_weights(loss_agg, mask, mb.seq_local, num_tokens[j], num_seqs[j],
                                         num_local_seqs=len(mb.seq_indices))
                 loss = (tok_loss * (w * c.weight if c is not None and c.weight is not None else w)).sum()
+                if self.cfg.entropy_coef > 0:  # the bonus, weighted like the policy term (masked tokens: 0)
+                    loss = loss - self.cfg.entropy_coef * (ent * w).sum()
                 if ref is not None:
                     kl = torch.where(mask, kl_penalty(logp, ref[j][mi], kl_cfg.type), 0.0)
                     loss = loss + kl_cfg.coef * (kl * w).sum()
