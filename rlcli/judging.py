@@ -470,6 +470,7 @@ class JudgePool:
         if self.executor not in ("inline", "thread", "process"):
             raise ValueError(f"executor must be 'inline', 'thread' or 'process', got {self.executor!r}")
         self.timeout_s = float(timeout_s if timeout_s is not None else getattr(cfg, "timeout_s", 30.0))
+        self.truncated_score: float | None = getattr(cfg, "truncated_score", None)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         self.workers = workers if workers is not None else default_workers()
@@ -521,6 +522,10 @@ class JudgePool:
             return
         if self._closed:
             raise RuntimeError("JudgePool is closed")
+        if self.truncated_score is not None and sample.finish_reason == "length":
+            self._count("judger/truncated")  # scored without a judge call: it never ended with EOS
+            sample.reward, sample.error = {"score": float(self.truncated_score), "truncated": True}, None
+            return
         if self.executor == "inline" and not inspect.iscoroutinefunction(self.judger.judge):
             start = time.perf_counter()  # fast path: no task, no await (cheap rule-based judgers)
             try:
@@ -592,7 +597,8 @@ class JudgePool:
         """Counters since the last call, then reset them.
 
         ``judger/calls`` (judged samples), ``judger/errors`` (exceptions, bad results, crashes),
-        ``judger/timeouts``, ``judger/aborted`` (cancelled by a pause), ``judger/time_s`` (summed
+        ``judger/timeouts``, ``judger/aborted`` (cancelled by a pause), ``judger/truncated`` (cut off
+        at max_tokens and given ``truncated_score`` without a call), ``judger/time_s`` (summed
         wall time of the calls, waiting for a free worker included), and the gauge
         ``judger/hung_threads`` (not reset).
         """
@@ -649,7 +655,8 @@ class JudgePool:
     # ---------------------------------------------------------------- internals
     @staticmethod
     def _zero_stats() -> dict[str, float]:
-        return {"judger/calls": 0, "judger/errors": 0, "judger/timeouts": 0, "judger/aborted": 0, "judger/time_s": 0.0}
+        return {"judger/calls": 0, "judger/errors": 0, "judger/timeouts": 0, "judger/aborted": 0,
+                "judger/truncated": 0, "judger/time_s": 0.0}
 
     def _count(self, key: str, n: float = 1) -> None:
         with self._stats_lock:

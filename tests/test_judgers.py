@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 from pydantic import ValidationError
 
-from rlcli.judgers import ComposedJudger, ExactMatchJudger, GSM8KJudger
+from rlcli.judgers import CharMatchJudger, ComposedJudger, ExactMatchJudger, GSM8KJudger
 from rlcli.judgers.base import Judger, JudgerConfig
 from rlcli.judgers.exact_match import canonical_number, parse_number
 from rlcli.judgers.gsm8k import extract_answer
@@ -136,6 +136,28 @@ def test_exact_match():
     assert judge(j, "Paris", "paris")["score"] == 0.0
 
 
+def test_char_match_gives_partial_credit_by_position():
+    j = CharMatchJudger()
+    assert judge(j, "4321", "4321") == {"score": 1.0, "acc": True}
+    assert judge(j, " 4321\n", "4321")["acc"] is True  # stripped by default
+    assert judge(j, "4301", "4321") == {"score": 0.75, "acc": False}
+    assert judge(j, "43", "4321")["score"] == 0.5  # too short: over the longer of the two
+    assert judge(j, "432100", "4321")["score"] == pytest.approx(4 / 6)  # too long
+    assert judge(j, "1234", "4321")["score"] == 0.0  # right characters, wrong places
+    assert judge(j, "", "4321")["score"] == 0.0
+    assert judge(j, "", "")["score"] == 1.0
+    raw = CharMatchJudger(CharMatchJudger.Config(strip=False))
+    assert judge(raw, " 4321", "4321")["score"] == 0.0
+    prefix = CharMatchJudger(CharMatchJudger.Config(mode="prefix"))  # only what is right from the start counts
+    assert judge(prefix, "4321", "4321") == {"score": 1.0, "acc": True}
+    assert judge(prefix, "4301", "4321")["score"] == 0.5
+    assert judge(prefix, "0321", "4321")["score"] == 0.0
+    assert judge(prefix, "43210", "4321")["score"] == pytest.approx(4 / 5)
+    assert judge(prefix, "", "4321")["score"] == 0.0
+    with pytest.raises(ValueError, match="no label"):
+        judge(j, "1", None)
+
+
 def test_exact_match_options():
     first = ExactMatchJudger(ExactMatchJudger.Config(first_word_only=True))
     assert judge(first, "7 because 3+4", "7")["score"] == 1.0
@@ -241,7 +263,7 @@ def test_composed_check_config_reports_every_problem():
     )
     issues = dict(ComposedJudger.check_config(cfg))
     assert "unknown judger 'gsm8kk'" in issues["branches.a.name"] and "did you mean 'gsm8k'" in issues["branches.a.name"]
-    assert "available: composed, exact_match, gsm8k" in issues["branches.a.name"]
+    assert "available: char_match, composed, exact_match, gsm8k" in issues["branches.a.name"]
     assert "unknown key" in issues["branches.b.first_word"] and "first_word_only" in issues["branches.b.first_word"]
     assert "greater than or equal to 0" in issues["branches.c.search_last_chars"]
     assert "unknown judger 'nope'" in issues["branches.d.branches.x.name"]

@@ -184,6 +184,24 @@ def test_only_completed_samples_are_judged(status):
     pool.close()
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_truncated_score_scores_responses_without_eos_without_a_call(executor):
+    judger = ScriptedJudger(JudgerConfig(truncated_score=-0.5))
+    pool = pool_for(judger, executor)
+    cut, ended = mk("score:1", 0, finish_reason="length"), mk("score:1", 1, finish_reason="stop")
+    run(pool.judge_group([cut, ended]))
+    assert cut.status == Status.COMPLETED and cut.reward == {"score": -0.5, "truncated": True}
+    assert ended.reward == {"score": 1.0} and judger.calls == 1
+    stats = pool.pop_stats()
+    assert stats["judger/truncated"] == 1 and stats["judger/calls"] == 1
+    pool.close()
+    unset = pool_for(ScriptedJudger(), executor)  # null (the default): judged like any other response
+    cut = mk("score:1", 0, finish_reason="length")
+    run(unset.judge(cut))
+    assert cut.reward == {"score": 1.0} and unset.pop_stats()["judger/truncated"] == 0
+    unset.close()
+
+
 def test_judge_group_keeps_order_and_can_require_all_completed():
     pool = pool_for(ScriptedJudger(), "thread", workers=2)
     group = [mk(f"score:{i}", i) for i in range(4)]

@@ -2,6 +2,7 @@
 
 * ``gsm8k``: the last ``#### <number>`` of the response against the label, as exact numbers.
 * ``exact_match``: the stripped response (or its first word) equals the label.
+* ``char_match``: partial credit, the fraction of positions where response and label agree.
 * ``composed``: routes each sample by ``data_source`` to one of several judgers.
 
 The contract is in :mod:`rlcli.judgers.base`; :mod:`rlcli.judging` runs judgers with timeouts in
@@ -12,13 +13,14 @@ from __future__ import annotations
 
 from rlcli import hookimpl
 from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.char_match import CharMatchJudger
 from rlcli.judgers.composed import ComposedJudger
 from rlcli.judgers.exact_match import ExactMatchJudger
 from rlcli.judgers.gsm8k import GSM8KJudger
 
-__all__ = ["ComposedJudger", "ExactMatchJudger", "GSM8KJudger", "Judger", "JudgerConfig", "register_judgers"]
+__all__ = ["CharMatchJudger", "ComposedJudger", "ExactMatchJudger", "GSM8KJudger", "Judger", "JudgerConfig", "register_judgers"]
 
 
 @hookimpl
 def register_judgers() -> list[type]:
-    return [GSM8KJudger, ExactMatchJudger, ComposedJudger]
+    return [GSM8KJudger, ExactMatchJudger, CharMatchJudger, ComposedJudger]

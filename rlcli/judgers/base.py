@@ -4,7 +4,8 @@ A judger scores one COMPLETED response: ``judge(response, label, sample) -> floa
 A float is wrapped as ``{"score": x}``; a dict must contain ``"score"``. Judgers must be
 picklable when ``executor: process`` is used (CPU-heavy judgers such as sympy-based ones);
 the runner calls them in a worker pool with a per-call timeout, so an exception or a hang
-marks only that sample FAILED, never the run.
+marks only that sample FAILED, never the run. With ``truncated_score`` set, a response that
+never reached EOS (cut off at ``max_tokens``) gets that score and the judger is not called.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from rlcli.types import Sample
 
 class JudgerConfig(ComponentConfig):
     timeout_s: float = Field(30.0, gt=0, description="Per-call timeout; a timed-out sample is FAILED.")
+    truncated_score: float | None = Field(
+        None, description="Score of a response cut off at max_tokens (finish reason 'length', no EOS), given "
+        "without calling the judger; null: such responses are judged like any other.")
     executor: Literal["inline", "thread", "process"] = Field(
         "thread", description="Where judge() runs: inline (no timeout), a thread pool, or a process pool."
     )
