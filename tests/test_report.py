@@ -20,8 +20,9 @@ from click.testing import CliRunner
 from rlcli.cli import cli
 from rlcli.report.rundata import load_run, read_jsonl
 
-SECTIONS = ["summary", "reward", "length", "health", "time", "throughput", "training", "config", "samples"]
-PLOT_SECTIONS = ["reward", "length", "health", "time", "throughput", "training"]
+SECTIONS = ["summary", "reward", "length", "health", "time", "throughput", "training", "mismatch", "config",
+            "samples"]
+PLOT_SECTIONS = ["reward", "length", "health", "time", "throughput", "training", "mismatch"]
 NASTY = '<script>alert("x")</script> & <b>bold</b>'
 LONG_TAIL = "END-OF-A-VERY-LONG-RESPONSE"
 

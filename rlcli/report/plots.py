@@ -31,6 +31,7 @@ PHASE_LABELS = {"sync": "weight sync", "hf_export": "HF export"}
 FIG_WIDTH_IN = 10.8
 DPI = 100
 MAX_BARS = 200
+LOG_LINTHRESH = 1e-9  # a log-scale panel is linear below this, so exact zeros still show
 
 
 def run_color(i: int) -> str:
@@ -55,6 +56,7 @@ class Panel:
     note: str = ""
     ylim: tuple[float | None, float | None] | None = None
     xlabel: str = "step"
+    log_y: bool = False  # values spanning decades (log-prob gaps); zero stays drawable (symlog)
 
 
 def metric(key: str) -> Getter:
@@ -168,6 +170,8 @@ def panels_figure(runs: Sequence[Run], panels: Sequence[Panel], ncols: int = 2, 
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="#888")
         if p.ylim is not None:
             ax.set_ylim(*p.ylim)
+        if p.log_y and drawn:
+            ax.set_yscale("symlog", linthresh=LOG_LINTHRESH)
         if p.note:
             ax.text(0.99, 0.02, p.note, transform=ax.transAxes, ha="right", va="bottom", fontsize=7, color="#666")
         handles, labels = ax.get_legend_handles_labels()
