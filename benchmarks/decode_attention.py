@@ -15,7 +15,7 @@ Shapes (Qwen2.5-0.5B attention: 14 query heads, 2 KV heads, head dim 64, bf16; t
 
 Paths:
 
-* ``sdpa``: the engine's ``attention: sdpa`` path, ``rlcli.backends.embedded.sdpa_decode_attention``
+* ``sdpa``: the engine's ``attention: sdpa`` path, ``rlcli.backends.embedded.attention.sdpa_decode_attention``
   (SDPA over ``q.view(n, KVH, group, hd)`` and the cache's first ``L`` positions with a boolean
   ``[n, 1, 1, L]`` :func:`decode_mask`) with the kernels the engine allows eagerly (flash,
   efficient, math); the mask is built once per step and shared by the layers, so it is built

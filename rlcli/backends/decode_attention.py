@@ -7,7 +7,7 @@ What it computes
 
     over the cache positions ``j`` with ``j <= positions[i]``, ``j < key_len`` and, with a
     sliding ``window``, ``j > positions[i] - window``. This is exactly what
-    ``LlamaFamilyModel._decode_layer`` in :mod:`rlcli.backends.embedded` gets from
+    ``LlamaFamilyModel._decode_layer`` in :mod:`rlcli.backends.embedded.model` gets from
     ``F.scaled_dot_product_attention(q.view(n, KVH, group, hd), keys, values, attn_mask=mask)``
     with the boolean mask it builds in ``_decode``. Softmax and accumulation are in float32;
     the result has the dtype of ``q``. Optionally (``prefix_rows``, ``prefix_lens``) row ``i``
