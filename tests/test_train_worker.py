@@ -190,7 +190,7 @@ def test_activation_memory_budget_needs_torch_compile():
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6, math.inf])
 def test_grad_clipping_on_local_shards_matches_the_full_gradient(model_dir, max_norm):
-    from rlcli.train.worker import clip_grad_norm_local
+    from rlcli.train.optim import clip_grad_norm_local
 
     w = make_worker(model_dir)
     seqs = make_batch(n=8)

@@ -17,13 +17,11 @@ One ``TrainWorker`` per rank (a single process is a one-rank group: FSDP2 is alw
 
 With ``kl.coef == 0`` and ``rollout_is`` null none of the optional passes runs.
 
-Log-probs and entropies are computed from ``logits / temperature`` (per sequence) by a fused,
-chunked ``lm_head`` + ``log_softmax`` (:func:`chunked_logprobs`): only label positions are
-projected, ``logprob_chunk_size`` rows at a time in float32, and the backward pass recomputes
-each chunk instead of keeping ``[tokens, vocab]`` logits alive. When every token's loss gradient
-is known before the forward pass (``head_grad_in_forward``; see :meth:`TrainWorker._head_grad_ahead`)
-the head's gradient is computed during the forward pass instead (:func:`head_value_and_grad_ahead`),
-so each chunk is projected once.
+Log-probs and entropies are computed from ``logits / temperature`` (per sequence) by the fused,
+chunked ``lm_head`` + ``log_softmax`` of :mod:`rlcli.train.logprobs`; when every token's loss
+gradient is known before the forward pass (``head_grad_in_forward``; see
+:meth:`TrainWorker._head_grad_ahead`) the head's gradient is computed during the forward pass.
+Clipping and the AdamW step run on the local shards (:mod:`rlcli.train.optim`).
 
 Ranks: every rank runs the same number of micro-batches per mini-batch (short ranks run empty
 ones), token/sequence counts and metrics are all-reduced, and the loss is scaled by the world
@@ -45,7 +43,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 import math
 import re
 import shutil
@@ -57,11 +54,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.optim.adamw import adamw as adamw_functional
 
 from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
@@ -74,7 +69,7 @@ from rlcli.algo.mismatch import (
     truncates,
     vetoes,
 )
-from rlcli.compiling import compile_rows_dynamic
+from rlcli.compiling import layer_compile_kwargs
 from rlcli.config import RolloutISConfig
 from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
 from rlcli.fsutil import publish_dir
@@ -93,9 +88,10 @@ from rlcli.train.data import (
     pack_shared,
     split_minibatches,
 )
+from rlcli.train.logprobs import PolicyModel, chunked_logprobs, head_value_and_grad_ahead  # noqa: F401 (re-exported)
 from rlcli.train.lr import build_scheduler
-
-log = logging.getLogger(__name__)
+from rlcli.train.optim import adamw_step_local, clip_grad_norm_local
+from rlcli.train.step_metrics import StepMetrics
 
 #: ``rollout_is`` when the recipe sets none: the ``mismatch/*`` metrics, no weighting, nothing dropped.
 METRICS_ONLY = RolloutISConfig()
@@ -106,504 +102,6 @@ if TYPE_CHECKING:
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
-
-
-# ------------------------------------------------------------------ chunked logprob/entropy
-def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``hidden @ W.T + b`` of one chunk, in the weight dtype (the softmax math upcasts)."""
-    return F.linear(hidden, weight, bias)
-
-
-def _softmax_stats(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """float32 ``(lse, logprob of label, entropy)`` of ``softmax(logits * inv_temp)``, per row.
-
-    Written as plain tensor math over the whole row so that ``torch.compile`` turns it into two
-    passes over the (half-precision) logits: a max, then exp/sum/dot. Entropy uses
-    ``H = log s - sum(e * y) / s`` with ``y = x - max``, ``e = exp(y)``, ``s = sum(e)``.
-    """
-    x = logits.float()
-    if inv_temp is not None:
-        x = x * inv_temp.unsqueeze(1)
-    y = x - x.amax(dim=-1, keepdim=True)
-    e = y.exp()
-    s = e.sum(dim=-1)
-    log_s = s.log()
-    lse = x.amax(dim=-1) + log_s
-    logp = y.gather(1, labels.unsqueeze(1)).squeeze(1) - log_s
-    ent = log_s - (e * y).sum(dim=-1) / s if with_entropy else None
-    return lse, logp, ent
-
-
-def _dlogits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Tensor,
-             inv_temp: torch.Tensor | None) -> torch.Tensor:
-    """``d(g * logp[label]) / d logits = g * (onehot(label) - softmax) * inv_temp`` in the logits dtype.
-
-    ``g``: float32 ``[n]`` upstream gradient, already multiplied by ``inv_temp``. Written with a
-    one-hot comparison so that ``torch.compile`` makes it one pointwise pass (see
-    :func:`_dlogits_eager` for the eager form).
-    """
-    x = logits.float()
-    if inv_temp is not None:
-        x = x * inv_temp.unsqueeze(1)
-    p = (x - lse.unsqueeze(1)).exp()
-    cols = torch.arange(x.shape[1], device=x.device)
-    onehot = (cols.unsqueeze(0) == labels.unsqueeze(1)).to(x.dtype)
-    return ((onehot - p) * g.unsqueeze(1)).to(logits.dtype)
-
-
-def _dlogits_eager(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, g: torch.Tensor,
-                   inv_temp: torch.Tensor | None) -> torch.Tensor:
-    """:func:`_dlogits` in place in one float32 buffer, without a ``[n, vocab]`` one-hot (eager).
-    ``logits`` is a chunk's temporary: when it is float32 already it is overwritten."""
-    x = logits.float()
-    if inv_temp is not None:
-        x.mul_(inv_temp.unsqueeze(1))
-    d = x.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
-    d.scatter_add_(1, labels.unsqueeze(1), g.unsqueeze(1))
-    return d.to(logits.dtype)
-
-
-def _dentropy(logits: torch.Tensor, lse: torch.Tensor, g: torch.Tensor, inv_temp: torch.Tensor | None) -> torch.Tensor:
-    """``d(g * entropy) / d logits`` of ``softmax(logits * inv_temp)``, float32: with ``x`` the
-    scaled logits and ``log p = x - lse``, ``dH/dx = -p * (log p + H)``; times ``inv_temp``."""
-    x = logits.float()
-    if inv_temp is not None:
-        x = x * inv_temp.unsqueeze(1)
-        g = g * inv_temp
-    logp = x - lse.unsqueeze(1)
-    p = logp.exp()
-    ent = -(p * logp).sum(dim=-1, keepdim=True)
-    return -(p * (logp + ent)) * g.unsqueeze(1)
-
-
-def _stats_and_dlogits(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None, g: torch.Tensor,
-                       with_entropy: bool):
-    """``(logp, entropy, d logits)`` of one chunk: :func:`_softmax_stats` and :func:`_dlogits` in
-    one function (one compiled graph on CUDA, which keeps the log-normaliser in registers)."""
-    lse, logp, ent = _softmax_stats(logits, labels, inv_temp, with_entropy)
-    return logp, ent, _dlogits(logits, lse, labels, g, inv_temp)
-
-
-def _stats_and_dlogits_eager(logits: torch.Tensor, labels: torch.Tensor, inv_temp: torch.Tensor | None,
-                             g: torch.Tensor, with_entropy: bool):
-    lse, logp, ent = _softmax_stats(logits, labels, inv_temp, with_entropy)
-    return logp, ent, _dlogits_eager(logits, lse, labels, g, inv_temp)
-
-
-class _FusedMath:
-    """The chunk math above, compiled once per process on CUDA (``torch.compile``), eager elsewhere.
-
-    A failed compilation (no working Triton, say) falls back to eager for good, with a warning.
-    """
-
-    def __init__(self) -> None:
-        self.compiled: dict[str, Any] = {}
-        self.broken = False
-
-    def get(self, name: str, fn, device: torch.device, enabled: bool):
-        if not enabled or device.type != "cuda" or self.broken:
-            return fn
-        if name not in self.compiled:
-            self.compiled[name] = compile_rows_dynamic(fn)  # row count symbolic, vocabulary constant
-        return self.compiled[name]
-
-    def call(self, name: str, fn, device: torch.device, enabled: bool, *args, eager=None):
-        """``fn(*args)``, compiled when enabled on CUDA; ``eager`` (default ``fn``) runs otherwise."""
-        eager = eager or fn
-        f = self.get(name, fn, device, enabled)
-        if f is fn:
-            return eager(*args)
-        try:
-            return f(*args)
-        except Exception:  # compilation is an optimisation: never let it fail a step
-            log.warning("torch.compile of the logprob math failed; using eager PyTorch", exc_info=True)
-            self.broken = True
-            return eager(*args)
-
-
-_FUSED = _FusedMath()
-
-
-@functools.cache
-def _inductor_with_budget(budget: float):
-    """Inductor, partitioning forward and backward under ``activation_memory_budget``.
-
-    The budget is a global functorch setting that compiled graphs are not keyed on, so a plain
-    ``torch.compile`` would silently reuse a graph partitioned under another budget (a second
-    TrainWorker in the process, say). One backend object per budget keeps them apart: Dynamo
-    recompiles when the backend differs.
-    """
-    from torch._functorch import config as functorch_config
-    from torch._inductor.compile_fx import compile_fx
-
-    def backend(gm, example_inputs):
-        with functorch_config.patch(activation_memory_budget=budget):
-            return compile_fx(gm, example_inputs)
-
-    return backend
-
-
-def _layer_compile_kwargs(budget: float) -> dict[str, Any]:
-    return {} if budget >= 1 else {"backend": _inductor_with_budget(float(budget))}
-
-
-_MM_OUT_DTYPE: bool | None = None  # whether torch.addmm(..., out_dtype=) works here (recent CUDA builds)
-
-
-def _add_outer(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``acc + a.T @ b`` with a float32 ``acc``; half-precision operands stay on tensor cores."""
-    global _MM_OUT_DTYPE
-    if a.dtype == acc.dtype:
-        return acc.addmm_(a.t(), b)
-    if a.is_cuda and _MM_OUT_DTYPE is not False:
-        try:
-            out = torch.addmm(acc, a.t(), b, out_dtype=acc.dtype)
-            _MM_OUT_DTYPE = True
-            return out
-        except (TypeError, RuntimeError, NotImplementedError):
-            _MM_OUT_DTYPE = False
-    return acc.add_(a.t() @ b)
-
-
-class _HeadGrads:
-    """The LM head's gradients with respect to its input, weight and bias, accumulated chunk by
-    chunk from each chunk's gradient with respect to the logits (float32 sums for weight and bias)."""
-
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 need_h: bool, need_w: bool, need_b: bool):
-        self.acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
-        self.h = torch.empty_like(hidden) if need_h else None
-        self.w = torch.zeros(weight.shape, dtype=self.acc, device=weight.device) if need_w else None
-        self.b = torch.zeros(weight.shape[0], dtype=self.acc, device=weight.device) if need_b and bias is not None else None
-
-    def add(self, dl: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, s: int, e: int) -> None:
-        """Rows ``s:e``, whose logits' gradient is ``dl``."""
-        if self.h is not None:
-            self.h[s:e] = dl @ weight
-        if self.w is not None:
-            self.w = _add_outer(self.w, dl, hidden[s:e].to(weight.dtype))
-        if self.b is not None:
-            self.b += dl.sum(0, dtype=self.acc)
-
-    def result(self, weight: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor | None]:
-        """``[grad_hidden, grad_weight, grad_bias]`` in the parameters' dtypes (None where not needed)."""
-        return [self.h, None if self.w is None else self.w.to(weight.dtype),
-                None if self.b is None else self.b.to(bias.dtype)]
-
-
-class _ChunkedLogprob(torch.autograd.Function):
-    """logprob of ``labels`` (and entropy) under ``softmax((hidden @ W.T + b) / T)``, chunk by chunk."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_temp, chunk_size, with_entropy, fused):
-        n = hidden.shape[0]
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        logp, lse_all = torch.empty(n, **f32), torch.empty(n, **f32)
-        ent = torch.empty(n if with_entropy else 0, **f32)
-        for s in range(0, n, chunk_size):
-            e = min(n, s + chunk_size)
-            logits = _chunk_logits(hidden[s:e], weight, bias)
-            it = None if inv_temp is None else inv_temp[s:e]
-            lse, lp, en = _FUSED.call("stats", _softmax_stats, hidden.device, fused, logits, labels[s:e], it,
-                                      with_entropy)
-            lse_all[s:e] = lse
-            logp[s:e] = lp
-            if with_entropy:
-                ent[s:e] = en
-        ctx.save_for_backward(hidden, weight, bias, labels, inv_temp, lse_all)
-        ctx.chunk_size = chunk_size
-        ctx.fused = fused
-        ctx.set_materialize_grads(False)  # an unused output (the entropy, mostly) brings no gradient
-        return logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, bias, labels, inv_temp, lse_all = ctx.saved_tensors
-        grads = _HeadGrads(hidden, weight, bias, *ctx.needs_input_grad[:3])
-        n = hidden.shape[0]
-        zero = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        for s in range(0, n, ctx.chunk_size):
-            e = min(n, s + ctx.chunk_size)
-            it = None if inv_temp is None else inv_temp[s:e]
-            logits = _chunk_logits(hidden[s:e], weight, bias)
-            g = (grad_logp if grad_logp is not None else zero)[s:e].float()
-            if it is not None:
-                g = g * it
-            dl_ent = None if grad_ent is None else _dentropy(logits, lse_all[s:e], grad_ent[s:e].float(), it)
-            dl = _FUSED.call("dlogits", _dlogits, hidden.device, ctx.fused, logits, lse_all[s:e], labels[s:e], g, it,
-                             eager=_dlogits_eager)
-            del logits
-            if dl_ent is not None:
-                dl = (dl.float() + dl_ent).to(dl.dtype)
-            grads.add(dl, hidden, weight, s, e)
-        return (*grads.result(weight, bias), None, None, None, None, None)
-
-
-class _HeadGradAhead(torch.autograd.Function):
-    """``sum_t g_t * logprob_t`` (a scalar) for per-token weights ``g`` known before the forward
-    pass, with its gradient computed *during* the forward pass, chunk by chunk, while each
-    chunk's logits are at hand; the backward pass only scales it. Same logits, softmax math and
-    accumulation order as :class:`_ChunkedLogprob`'s backward, without projecting every chunk
-    a second time. Also returns the logprobs and entropies (no gradient)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, inv_temp, g, chunk_size, with_entropy, fused):
-        n = hidden.shape[0]
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        logp = torch.empty(n, **f32)
-        ent = torch.empty(n if with_entropy else 0, **f32)
-        head = _HeadGrads(hidden, weight, bias, *ctx.needs_input_grad[:3])
-        for s in range(0, n, chunk_size):
-            e = min(n, s + chunk_size)
-            it = None if inv_temp is None else inv_temp[s:e]
-            gc = g[s:e].float()
-            if it is not None:
-                gc = gc * it
-            logits = _chunk_logits(hidden[s:e], weight, bias)
-            lp, en, dl = _FUSED.call("stats_dlogits", _stats_and_dlogits, hidden.device, fused, logits,
-                                        labels[s:e], it, gc, with_entropy, eager=_stats_and_dlogits_eager)
-            del logits
-            logp[s:e] = lp
-            if with_entropy:
-                ent[s:e] = en
-            head.add(dl, hidden, weight, s, e)
-        grads = head.result(weight, bias)
-        del head  # the float32 accumulators, before the decoder's backward pass needs the memory
-        ctx.present = [t is not None for t in grads]
-        ctx.save_for_backward(*(t for t in grads if t is not None))
-        ctx.mark_non_differentiable(logp, ent)
-        return (g.float() * logp).sum(), logp, ent
-
-    @staticmethod
-    def backward(ctx, grad_value, grad_logp, grad_ent):
-        saved = iter(ctx.saved_tensors)
-        grads = [next(saved) if present else None for present in ctx.present]
-        # grad_value is 1 when the value is the root of the backward pass (the worker's case);
-        # scaling in the gradient's dtype costs one pass over tensors much smaller than the logits
-        grads = [None if t is None else t * grad_value.to(t.dtype) for t in grads]
-        return (*grads, None, None, None, None, None, None)
-
-
-def head_value_and_grad_ahead(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    inv_temperature: torch.Tensor | None,
-    grad_logp: torch.Tensor,
-    chunk_size: int,
-    with_entropy: bool = True,
-    fused: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(sum(grad_logp * logprob), logprob, entropy)`` for the same inputs as :func:`chunked_logprobs`.
-
-    The scalar's backward pass gives ``hidden``, ``weight`` and ``bias`` exactly the gradients that
-    :func:`chunked_logprobs` would give them for an upstream gradient ``grad_logp`` on its
-    logprobs, but they are computed in the forward pass: each chunk of logits is projected once,
-    not twice. Use it when the loss's gradient with respect to every logprob is known before the
-    forward pass (one on-policy optimizer step with a ratio-only loss: see
-    ``TrainWorker._head_grad_ahead``).
-    """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    if grad_logp.shape != labels.shape:
-        raise ValueError(f"grad_logp must have the labels' shape {tuple(labels.shape)}, got {tuple(grad_logp.shape)}")
-    it = inv_temperature.float() if inv_temperature is not None else None
-    return _HeadGradAhead.apply(hidden, weight, bias, labels, it, grad_logp, chunk_size, with_entropy, fused)
-
-
-def chunked_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    labels: torch.Tensor,
-    inv_temperature: torch.Tensor | None,
-    chunk_size: int,
-    with_entropy: bool = True,
-    fused: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row ``(logprob of label, entropy)`` of ``softmax((hidden @ W.T + b) * inv_temperature)``.
-
-    ``hidden``: ``[N, h]``; ``labels``, ``inv_temperature``: ``[N]`` (None: temperature 1).
-    float32 softmax math, at most ``chunk_size`` rows of logits at a time, also in backward (which
-    recomputes each chunk from the saved log-normaliser). Both carry gradients (the entropy's for
-    an entropy bonus, ``train_worker.entropy_coef``); with ``with_entropy=False`` the entropy is
-    skipped (an empty tensor is returned). ``fused``: on CUDA, run the
-    per-chunk softmax math through ``torch.compile`` (a couple of fused passes over the logits
-    instead of a dozen eager ones).
-    """
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    it = inv_temperature.float() if inv_temperature is not None else None
-    return _ChunkedLogprob.apply(hidden, weight, bias, labels, it, chunk_size, with_entropy, fused)
-
-
-def clip_grad_norm_local(grads: list[torch.Tensor], max_norm: float, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Clip ``grads`` in place to a global L2 norm of at most ``max_norm``; returns the norm before
-    clipping as a float32 device scalar (``nan``/``inf`` when a gradient is not finite), without
-    waiting for the device. Collective over ``group`` (None: one rank).
-
-    The same result as ``torch.nn.utils.clip_grad_norm_`` on FSDP's DTensor gradients, computed on
-    the local shards: the squared norms of sharded gradients are summed over the ranks, those of
-    replicated ones counted once. Dispatching the norm through DTensor took 0.14 s of host time
-    per optimizer step for a 24-layer model (H200 host, under torch.profiler), with the GPU idle.
-    """
-    if not grads:
-        return torch.zeros((), dtype=torch.float32)
-    local = [_local(g) for g in grads]
-    sharded, replicated = [], []  # the norms, split by placement (no host-to-device copy of a mask)
-    for g, n in zip(grads, torch._foreach_norm(local)):
-        (sharded if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements) else replicated).append(n)
-
-    def sq_sum(ns: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack(ns).float().square().sum() if ns else torch.zeros((), device=local[0].device)
-
-    total = sq_sum(sharded)
-    if group is not None and sharded:
-        dist.all_reduce(total, group=group)
-    norm = (total + sq_sum(replicated)).sqrt()
-    if math.isfinite(max_norm):
-        # float32 arithmetic, as torch's clip_grad_norm_ does it; a factor of exactly 1 changes nothing
-        torch._foreach_mul_(local, (max_norm / (norm + 1e-6)).clamp(max=1.0))
-    return norm
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor (no dispatch, no autograd), or ``t`` itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def adamw_step_local(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> bool:
-    """``optimizer.step()`` of a fused ``torch.optim.AdamW`` applied to the local shards of its
-    DTensor parameters, gradients and moments, skipped on the device when ``found_inf`` (a float32
-    device scalar) is nonzero. Returns False, doing nothing, when it cannot stand in for
-    ``optimizer.step()``: moments not created yet (the first step creates them the usual way), a
-    step count that is not a device scalar next to its parameter, or AdamW options the fused
-    kernel does not take (amsgrad, capturable, differentiable).
-
-    AdamW is elementwise, so the update of each shard is the update of the whole, bit for bit,
-    and the moments stay the DTensors that checkpoints save. What it avoids: DTensor dispatch of
-    the fused kernel over every parameter (host time, with the GPU idle), and the host sync that
-    deciding "skip this step" on the host needs (the fused kernel's ``found_inf`` undoes the step
-    count and leaves parameters and moments as they were).
-    """
-    if not isinstance(optimizer, torch.optim.AdamW):
-        return False
-    plans = []
-    for group in optimizer.param_groups:
-        if not group.get("fused") or group.get("amsgrad") or group.get("capturable") or group.get("differentiable"):
-            return False
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            st = optimizer.state.get(p)
-            if not st or "exp_avg" not in st:
-                return False
-            local = _local(p)
-            step = st["step"]
-            if isinstance(step, DTensor) or step.device != local.device:
-                return False
-            params.append(local)
-            grads.append(_local(p.grad))
-            exp_avgs.append(_local(st["exp_avg"]))
-            exp_avg_sqs.append(_local(st["exp_avg_sq"]))
-            steps.append(step)
-        plans.append((group, params, grads, exp_avgs, exp_avg_sqs, steps))
-    for group, params, grads, exp_avgs, exp_avg_sqs, steps in plans:
-        if params:
-            beta1, beta2 = group["betas"]
-            adamw_functional(
-                params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, capturable=False,
-                differentiable=False, fused=True, grad_scale=None, found_inf=found_inf, has_complex=False,
-                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                eps=group["eps"], maximize=group["maximize"],
-            )
-    return True
-
-
-class PolicyModel(nn.Module):
-    """Wraps an HF causal LM so that one FSDP2 root forward returns label logprobs and entropies."""
-
-    def __init__(self, lm: nn.Module, chunk_size: int, fused: bool = True):
-        super().__init__()
-        self.lm = lm
-        self.chunk_size = chunk_size
-        self.fused = fused
-
-    def forward(self, input_ids, position_ids, label_index, labels, inv_temperature, with_entropy: bool = True,
-                attn_rows=None, attn_owner=None, grad_logp=None):
-        """``(logprobs, entropies)`` of the labels; with ``grad_logp`` (per-label weights known
-        before the pass), ``(sum(grad_logp * logprobs), logprobs, entropies)``, the head's
-        gradient computed during the pass (:func:`head_value_and_grad_ahead`)."""
-        decoder = self.lm.get_decoder()
-        # the shared layout's attention rows travel to the attention function as keyword arguments
-        shared = {} if attn_rows is None else {"attn_rows": attn_rows, "attn_owner": attn_owner}
-        hidden = decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False, **shared).last_hidden_state
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, label_index)
-        head = self.lm.get_output_embeddings()
-        if grad_logp is not None:
-            return head_value_and_grad_ahead(hidden, head.weight, head.bias, labels, inv_temperature, grad_logp,
-                                             self.chunk_size, with_entropy, self.fused)
-        return chunked_logprobs(hidden, head.weight, head.bias, labels, inv_temperature, self.chunk_size,
-                                with_entropy, self.fused)
-
-
-# ----------------------------------------------------------------------------- metrics
-class _Metrics:
-    """Token-weighted means and extremes, kept on the device (no host sync per micro-batch);
-    reduced over ranks and read back once per step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.sums: dict[str, torch.Tensor] = {}
-        self.weights: dict[str, torch.Tensor] = {}
-        self.maxes: dict[str, torch.Tensor] = {}
-        self.mins: dict[str, torch.Tensor] = {}
-
-    def _zero(self) -> torch.Tensor:
-        return torch.zeros((), dtype=torch.float64, device=self.device)
-
-    def add_sum(self, name: str, total: torch.Tensor, weight: torch.Tensor | float) -> None:
-        """Add ``total`` (a sum over ``weight`` tokens) to the mean metric ``name``."""
-        self.sums[name] = self.sums.get(name, self._zero()) + total.detach().double()
-        self.weights[name] = self.weights.get(name, self._zero()) + weight
-
-    def add_extreme(self, name: str, value: torch.Tensor) -> None:
-        """Fold ``value`` into the running maximum (``*_max``) or minimum (``*_min``) ``name``."""
-        v = value.detach().double()
-        if name.endswith("_max"):
-            self.maxes[name] = torch.maximum(self.maxes[name], v) if name in self.maxes else v
-        elif name.endswith("_min"):
-            self.mins[name] = torch.minimum(self.mins[name], v) if name in self.mins else v
-        else:
-            raise ValueError(f"extreme metric names end with _max or _min, got {name!r}")
-
-    def add_loss_metrics(self, metrics: dict[str, torch.Tensor], weight: int | torch.Tensor) -> None:
-        """A loss's metrics: extremes by name, everything else a mean over ``weight`` tokens."""
-        for k, v in metrics.items():
-            if k.endswith(("_max", "_min")):
-                self.add_extreme(k, v)
-            else:
-                self.add_sum(k, v.detach().double() * weight, weight)
-
-    def reduce(self, world_size: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
-        names_mean, names_max, names_min = sorted(self.sums), sorted(self.maxes), sorted(self.mins)
-        z = self._zero()
-        sums = torch.stack([self.sums[k] for k in names_mean] + [self.weights[k] for k in names_mean] + [z])
-        ext = torch.stack([self.maxes[k] for k in names_max] + [-self.mins[k] for k in names_min] + [z])
-        if world_size > 1:
-            # Every rank added the same names (same loss, same code path), so the layouts agree.
-            dist.all_reduce(sums, group=group)
-            dist.all_reduce(ext, op=dist.ReduceOp.MAX, group=group)
-        s, e = sums.tolist(), ext.tolist()
-        n = len(names_mean)
-        out = {k: (s[i] / s[n + i] if s[n + i] > 0 else 0.0) for i, k in enumerate(names_mean)}
-        out.update({k: e[i] for i, k in enumerate(names_max)})
-        out.update({k: -e[len(names_max) + i] for i, k in enumerate(names_min)})
-        return {k: (v if math.isfinite(v) else 0.0) if k in self.maxes or k in self.mins else v
-                for k, v in out.items()}
 
 
 # ------------------------------------------------------------------------------ worker
@@ -703,7 +201,7 @@ class TrainWorker:
             model.lm.to(self.device)
         for layer in self._decoder_layers(model.lm):
             if fs.torch_compile:
-                layer.compile(**_layer_compile_kwargs(fs.activation_memory_budget))
+                layer.compile(**layer_compile_kwargs(fs.activation_memory_budget))
             fully_shard(layer, mesh=self.mesh, mp_policy=layer_mp, offload_policy=offload,
                         reshard_after_forward=fs.reshard_after_forward)
         fully_shard(model, mesh=self.mesh, mp_policy=root_mp, offload_policy=offload)
@@ -784,7 +282,7 @@ class TrainWorker:
         return t.tolist()
 
     @torch.no_grad()
-    def _old_logprobs(self, batches: list[list[MicroBatch]], m: _Metrics) -> list[list[torch.Tensor]]:
+    def _old_logprobs(self, batches: list[list[MicroBatch]], m: StepMetrics) -> list[list[torch.Tensor]]:
         """Log-probs of every micro-batch under the current weights (no grad); records the entropy."""
         old = []
         self.model.eval()
@@ -810,7 +308,7 @@ class TrainWorker:
         finally:
             ref.reshard()
 
-    def _rollout_correction(self, mb: MicroBatch, old_logp: torch.Tensor, m: _Metrics) -> RolloutCorrection:
+    def _rollout_correction(self, mb: MicroBatch, old_logp: torch.Tensor, m: StepMetrics) -> RolloutCorrection:
         c = rollout_correction(old_logp, mb.rollout_logprobs, mb.has_rollout_logprobs, mb.seq_local,
                                len(mb.seq_indices), self.cfg.rollout_is or METRICS_ONLY)
         for name, (total, count) in c.sums.items():
@@ -881,7 +379,7 @@ class TrainWorker:
         groups = [[i for i in g if seqs[i].num_valid > 0] for g in groups]
         with torch.profiler.record_function("rlcli/train/pack"):  # a named range in profiler traces
             batches = self._micro_batches(seqs, groups)
-        m = _Metrics(self.device)
+        m = StepMetrics(self.device)
 
         # Old logprobs are needed up front when the policy moves within the step, and when rollout
         # IS may drop tokens (the loss normaliser counts kept tokens only). Otherwise the first and
