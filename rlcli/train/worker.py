@@ -21,7 +21,8 @@ Log-probs and entropies are computed from ``logits / temperature`` (per sequence
 chunked ``lm_head`` + ``log_softmax`` of :mod:`rlcli.train.logprobs`; when every token's loss
 gradient is known before the forward pass (``head_grad_in_forward``; see
 :meth:`TrainWorker._head_grad_ahead`) the head's gradient is computed during the forward pass.
-Clipping and the AdamW step run on the local shards (:mod:`rlcli.train.optim`).
+Clipping and the AdamW step run on the local shards (:mod:`rlcli.train.optim`); FSDP2 wrapping
+is :mod:`rlcli.train.fsdp`, weight export and HF model dirs :mod:`rlcli.train.weights`.
 
 Ranks: every rank runs the same number of micro-batches per mini-batch (short ranks run empty
 ones), token/sequence counts and metrics are all-reduced, and the loss is scaled by the world
@@ -41,11 +42,9 @@ resumed run reads the same weights from the same directory.
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import re
-import shutil
 import time
 import warnings
 from collections.abc import Iterator
@@ -54,9 +53,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
@@ -69,12 +65,11 @@ from rlcli.algo.mismatch import (
     truncates,
     vetoes,
 )
-from rlcli.compiling import layer_compile_kwargs
 from rlcli.config import RolloutISConfig
-from rlcli.dist import barrier, device_mesh, group_mesh, init_distributed, local_device
-from rlcli.fsutil import publish_dir
+from rlcli.dist import device_mesh, group_mesh, init_distributed, local_device
 from rlcli.models import resolve_dtype
 from rlcli.train import checkpoint as ckpt
+from rlcli.train import fsdp, weights
 from rlcli.train.attention import use_shared_prompt_attention
 from rlcli.train.data import (
     LayoutCost,
@@ -92,6 +87,7 @@ from rlcli.train.logprobs import PolicyModel, chunked_logprobs, head_value_and_g
 from rlcli.train.lr import build_scheduler
 from rlcli.train.optim import adamw_step_local, clip_grad_norm_local
 from rlcli.train.step_metrics import StepMetrics
+from rlcli.train.weights import DEFAULT_BUCKET_BYTES
 
 #: ``rollout_is`` when the recipe sets none: the ``mismatch/*`` metrics, no weighting, nothing dropped.
 METRICS_ONLY = RolloutISConfig()
@@ -99,9 +95,6 @@ METRICS_ONLY = RolloutISConfig()
 if TYPE_CHECKING:
     from rlcli.algo.loss import PolicyLoss
     from rlcli.config import ModelConfig, TrainWorkerConfig
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 
 # ------------------------------------------------------------------------------ worker
@@ -185,33 +178,10 @@ class TrainWorker:
     def param_dtype(self) -> torch.dtype:
         """The FSDP compute dtype of the decoder (the run dtype unless ``fsdp.param_dtype`` is set)."""
         fs = self.cfg.fsdp
-        return self.dtype if fs.param_dtype == "auto" else _DTYPES[fs.param_dtype]
+        return self.dtype if fs.param_dtype == "auto" else fsdp.DTYPES[fs.param_dtype]
 
     def _shard(self, model: PolicyModel, cpu_offload: bool) -> None:
-        """``fully_shard`` every decoder layer of ``model.lm``, then the root (policy and reference alike)."""
-        fs = self.cfg.fsdp
-        param_dtype = self.param_dtype
-        reduce_dtype = _DTYPES[fs.reduce_dtype]
-        offload_to_cpu = cpu_offload and self.device.type == "cuda"
-        offload: OffloadPolicy = CPUOffloadPolicy() if offload_to_cpu else OffloadPolicy()
-        layer_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-        # The root's inputs are ids and float32 temperatures: never cast them to the param dtype.
-        root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
-        if not offload_to_cpu:
-            model.lm.to(self.device)
-        for layer in self._decoder_layers(model.lm):
-            if fs.torch_compile:
-                layer.compile(**layer_compile_kwargs(fs.activation_memory_budget))
-            fully_shard(layer, mesh=self.mesh, mp_policy=layer_mp, offload_policy=offload,
-                        reshard_after_forward=fs.reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, mp_policy=root_mp, offload_policy=offload)
-
-    @staticmethod
-    def _decoder_layers(lm: nn.Module) -> list[nn.Module]:
-        layers = getattr(lm.get_decoder(), "layers", None)
-        if layers is None:
-            raise ValueError(f"{type(lm).__name__}: cannot find the decoder layers (expected .layers)")
-        return list(layers)
+        fsdp.shard(model, self.cfg.fsdp, self.mesh, self.device, self.param_dtype, cpu_offload)
 
     def _reference(self) -> PolicyModel:
         """The frozen reference policy (see the module docstring), built on the first call. Collective."""
@@ -565,106 +535,21 @@ class TrainWorker:
         They change with the next optimizer step, so they are for a consumer that copies them at
         once (an ``InferenceBackend`` with ``accepts_live_weights``).
         """
-        dtype = dtype or self.dtype
-        if live and not self.can_lend_weights():
-            raise ValueError("iter_weights(live=True) needs a single rank (each parameter whole on it)")
-        self.model.reshard()
-        named = self.hf_model.state_dict(keep_vars=True)  # the parameters themselves: no per-tensor detach
-        # Tied weights are one parameter under several names: gather once, yield under each name.
-        aliases: dict[int, list[str]] = {}
-        for name, p in self.hf_model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        canonical = {n: names[0] for names in aliases.values() for n in names}
-        remaining = {names[0]: len(names) for names in aliases.values()}
-        cache: dict[str, torch.Tensor] = {}
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in named.items():
-            src = canonical.get(name, name)
-            if src in cache:
-                full, nbytes = cache[src], 0
-            else:
-                with torch.no_grad():  # the state dict holds the parameters themselves (keep_vars)
-                    full = self._lent(tensor) if live else self._full(tensor, dtype)
-                nbytes = full.numel() * (dtype.itemsize if live and full.is_floating_point() else full.element_size())
-            left = remaining.get(src, 1) - 1
-            remaining[src] = left
-            if left > 0:
-                cache[src] = full
-            else:
-                cache.pop(src, None)
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, full))
-            size += nbytes
-        if bucket:
-            yield bucket
-
-    @staticmethod
-    def _lent(tensor: torch.Tensor) -> torch.Tensor:
-        """The whole tensor behind a one-rank parameter, detached, not copied."""
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-        if tuple(local.shape) != tuple(tensor.shape):
-            raise RuntimeError(f"parameter of shape {tuple(tensor.shape)} has a local shard of {tuple(local.shape)}")
-        return local.detach()
-
-    @staticmethod
-    def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(tensor, DTensor):
-            local = tensor._local_tensor
-            # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a
-            # collective launch per tensor).
-            whole = tensor.device_mesh.size() == 1 and tuple(local.shape) == tuple(tensor.shape)
-            full = local if whole else tensor.full_tensor()
-        else:
-            local = full = tensor
-        full = full.detach()
-        if full.is_floating_point():
-            full = full.to(dtype)
-        if full.data_ptr() == local.data_ptr():
-            full = full.clone()
-        return full
+        return weights.iter_weights(self.model, self.hf_model, bucket_bytes, dtype or self.dtype, live,
+                                    self.can_lend_weights())
 
     def full_state_dict(
         self, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
     ) -> dict[str, torch.Tensor]:
         """The whole HF state dict on rank 0 of the group (empty elsewhere). Collective."""
-        out: dict[str, torch.Tensor] = {}
-        for bucket in self.iter_weights(dtype=dtype):
-            if self.rank == 0:
-                out.update((n, t.to(device)) for n, t in bucket)
-        return out
+        return weights.full_state_dict(self.iter_weights(dtype=dtype), self.rank == 0, device)
 
     def save_hf(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
         """Write an HF model dir (safetensors, config, generation config, tokenizer) atomically. Collective."""
-        from transformers import AutoModelForCausalLM
-
-        from rlcli.tokenizer import save_tokenizer
-
-        out = Path(out_dir)
         dtype = dtype or self.dtype
         state = self.full_state_dict(dtype=dtype)
-        if self.rank == 0:
-            tmp = out.with_name(out.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            config = copy.deepcopy(self.hf_model.config)
-            config.use_cache = True
-            with torch.device("meta"):
-                plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            plain.load_state_dict(state, strict=True, assign=True)
-            if self.tied:
-                plain.tie_weights()
-            plain.generation_config = copy.deepcopy(self.hf_model.generation_config)
-            # Recent transformers write only on global rank 0 of the job; the writer is rank 0 of this
-            # worker's group (not global rank 0 when other ranks do rollout), and it holds the full state.
-            plain.should_save_on_this_rank = lambda is_main_process=True: bool(is_main_process)
-            plain.save_pretrained(str(tmp))
-            if tokenizer is not None:
-                save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
-            publish_dir(tmp, out)
-        barrier(self.group)
-        return out
+        return weights.save_hf(Path(out_dir), self.hf_model, state, dtype, tied=self.tied, tokenizer=tokenizer,
+                               writer=self.rank == 0, group=self.group)
 
     # ---------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any] | None = None,
@@ -685,12 +570,6 @@ class TrainWorker:
         if weights_only:
             return ckpt.load_checkpoint(path, self.model, None, None, load_optimizer=False, restore_rng=False)
         return ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer)
-
-    def rng_state_dict(self) -> dict[str, Any]:
-        return ckpt.capture_rng_state()
-
-    def load_rng_state_dict(self, state: dict[str, Any]) -> None:
-        ckpt.restore_rng_state(state)
 
     @property
     def optimizer_steps_done(self) -> int:
