@@ -14,6 +14,7 @@ import torch
 from rlcli.algo.loss import GSPOPolicyLoss, PolicyLoss, VanillaPolicyLoss
 from rlcli.train import logprobs as logprobs_mod
 from rlcli.train.logprobs import chunked_logprobs, head_value_and_grad_ahead
+from rlcli.train.step_loss import head_grad_ahead
 
 from .test_shared_prompts import grouped_batch
 from .test_train_worker import assert_same_update, make_worker, model_dir, state  # noqa: F401
@@ -146,7 +147,7 @@ def test_used_only_where_the_gradient_is_known_ahead(model_dir, monkeypatch, cfg
     monkeypatch.setattr(logprobs_mod._ChunkedLogprob, "backward",
                         staticmethod(lambda ctx, *g: recomputed.append(1) or ordinary(ctx, *g)))
     w = make_worker(model_dir, loss=loss, logprob_chunk_size=5, **cfg)
-    assert w._head_grad_ahead() is ahead
+    assert head_grad_ahead(w.cfg, w.policy_loss) is ahead
     m = w.train_step(grouped_batch(groups=2, size=2, seed=6))
     assert math.isfinite(m["train/loss"]) and m["train/skipped_steps"] == 0
     assert bool(recomputed) is not ahead

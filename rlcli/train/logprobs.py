@@ -4,10 +4,10 @@ Computed from ``logits / temperature`` (per row) by a fused, chunked ``lm_head``
 ``log_softmax`` (:func:`chunked_logprobs`): only label positions are projected,
 ``logprob_chunk_size`` rows at a time in float32, and the backward pass recomputes each chunk
 instead of keeping ``[tokens, vocab]`` logits alive. When every token's loss gradient is known
-before the forward pass (``head_grad_in_forward``; see ``TrainWorker._head_grad_ahead``) the
-head's gradient is computed during the forward pass instead (:func:`head_value_and_grad_ahead`),
-so each chunk is projected once. :class:`PolicyModel` wraps an HF causal LM so that one FSDP2
-root forward returns them.
+before the forward pass (``head_grad_in_forward``; see
+:func:`rlcli.train.step_loss.head_grad_ahead`) the head's gradient is computed during the
+forward pass instead (:func:`head_value_and_grad_ahead`), so each chunk is projected once.
+:class:`PolicyModel` wraps an HF causal LM so that one FSDP2 root forward returns them.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ def head_value_and_grad_ahead(
     logprobs, but they are computed in the forward pass: each chunk of logits is projected once,
     not twice. Use it when the loss's gradient with respect to every logprob is known before the
     forward pass (one on-policy optimizer step with a ratio-only loss: see
-    ``TrainWorker._head_grad_ahead``).
+    :func:`rlcli.train.step_loss.head_grad_ahead`).
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")

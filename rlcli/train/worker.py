@@ -20,7 +20,8 @@ With ``kl.coef == 0`` and ``rollout_is`` null none of the optional passes runs.
 Log-probs and entropies are computed from ``logits / temperature`` (per sequence) by the fused,
 chunked ``lm_head`` + ``log_softmax`` of :mod:`rlcli.train.logprobs`; when every token's loss
 gradient is known before the forward pass (``head_grad_in_forward``; see
-:meth:`TrainWorker._head_grad_ahead`) the head's gradient is computed during the forward pass.
+:func:`rlcli.train.step_loss.head_grad_ahead`) the head's gradient is computed during the
+forward pass. The loss of a micro-batch is put together in :mod:`rlcli.train.step_loss`.
 Clipping and the AdamW step run on the local shards (:mod:`rlcli.train.optim`); FSDP2 wrapping
 is :mod:`rlcli.train.fsdp`, weight export and HF model dirs :mod:`rlcli.train.weights`.
 
@@ -48,24 +49,14 @@ import re
 import time
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from rlcli.algo.kl import kl_penalty
-from rlcli.algo.loss import aggregation_weights
-from rlcli.algo.mismatch import (
-    RolloutCorrection,
-    can_reject,
-    finalize_metrics,
-    masks,
-    rollout_correction,
-    truncates,
-    vetoes,
-)
-from rlcli.config import RolloutISConfig
+from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics
 from rlcli.dist import device_mesh, group_mesh, init_distributed, local_device
 from rlcli.models import resolve_dtype
 from rlcli.train import checkpoint as ckpt
@@ -86,15 +77,33 @@ from rlcli.train.data import (
 from rlcli.train.logprobs import PolicyModel, chunked_logprobs, head_value_and_grad_ahead  # noqa: F401 (re-exported)
 from rlcli.train.lr import build_scheduler
 from rlcli.train.optim import adamw_step_local, clip_grad_norm_local
+from rlcli.train.step_loss import correction, head_grad_ahead, kept_counts, micro_batch_loss, on_policy_grad
 from rlcli.train.step_metrics import StepMetrics
 from rlcli.train.weights import DEFAULT_BUCKET_BYTES
-
-#: ``rollout_is`` when the recipe sets none: the ``mismatch/*`` metrics, no weighting, nothing dropped.
-METRICS_ONLY = RolloutISConfig()
 
 if TYPE_CHECKING:
     from rlcli.algo.loss import PolicyLoss
     from rlcli.config import ModelConfig, TrainWorkerConfig
+
+
+@dataclass
+class _Step:
+    """One train step as its mini-batches share it: the packed micro-batches, what the passes
+    before the first update computed, the global counts that normalise the loss, and the results
+    of each update."""
+
+    batches: list[LazyList[MicroBatch]]
+    metrics: StepMetrics
+    old: list[list[torch.Tensor]] | None  # per mini-batch and micro-batch; None: each update's own
+    corr: list[list[RolloutCorrection]] | None  # rollout IS from the old pass; None: computed per micro-batch
+    ref: list[list[torch.Tensor]] | None  # reference logprobs (KL penalty)
+    num_tokens: list[int]  # per mini-batch, over all ranks: the tokens rollout IS kept
+    num_seqs: list[int]  # per mini-batch, over all ranks: the sequences with a kept token
+    ahead: bool  # the head's gradient computed in the forward pass (see step_loss.head_grad_ahead)
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    skipped: int = 0
 
 
 # ------------------------------------------------------------------------------ worker
@@ -278,181 +287,136 @@ class TrainWorker:
         finally:
             ref.reshard()
 
-    def _rollout_correction(self, mb: MicroBatch, old_logp: torch.Tensor, m: StepMetrics) -> RolloutCorrection:
-        c = rollout_correction(old_logp, mb.rollout_logprobs, mb.has_rollout_logprobs, mb.seq_local,
-                               len(mb.seq_indices), self.cfg.rollout_is or METRICS_ONLY)
-        for name, (total, count) in c.sums.items():
-            m.add_sum(name, total, count)
-        for name, value in {**c.maxes, **c.mins}.items():
-            m.add_extreme(name, value)
-        return c
-
-    def _kept_counts(self, batches: list[list[MicroBatch]],
-                     corr: list[list[RolloutCorrection]]) -> tuple[list[float], list[float]]:
-        """Per mini-batch: tokens and sequences (with at least one token) that rollout IS kept; one host sync."""
-        rows = []
-        for mbs, cs in zip(batches, corr):
-            toks = torch.zeros((), dtype=torch.float64, device=self.device)
-            nseq = torch.zeros((), dtype=torch.float64, device=self.device)
-            for mb, c in zip(mbs, cs):
-                keep = c.keep.double()
-                toks = toks + keep.sum()
-                per_seq = torch.zeros(len(mb.seq_indices), dtype=torch.float64, device=self.device)
-                nseq = nseq + (per_seq.index_add_(0, mb.seq_local, keep) > 0).double().sum()
-            rows.append(torch.stack([toks, nseq]))
-        counts = torch.stack(rows).tolist() if rows else []
-        return [t for t, _ in counts], [n for _, n in counts]
-
-    def _head_grad_ahead(self) -> bool:
-        """Whether every token's loss gradient is known before the forward pass, so that the LM
-        head's gradient can be computed while its logits are at hand (``head_grad_in_forward``).
-
-        It is when the update is the batch's first and only one (the old logprobs are the
-        current ones, detached: the ratio is exactly 1), the loss depends on the logprobs only
-        through ``logp - old_logp`` (:attr:`PolicyLoss.ratio_only`), and nothing else in the
-        loss reads the logprobs' values: no KL penalty, no entropy bonus, and rollout IS neither
-        weights nor drops tokens (a metrics-only ``rollout_is: {}`` is fine)."""
-        cfg, is_cfg = self.cfg, self.cfg.rollout_is
-        if not cfg.head_grad_in_forward or cfg.optimizer_steps != 1 or cfg.kl.coef > 0 or cfg.entropy_coef > 0:
-            return False
-        if is_cfg is not None and (truncates(is_cfg) or masks(is_cfg) or vetoes(is_cfg)):
-            return False
-        return bool(getattr(self.policy_loss, "ratio_only", False))
-
-    def _on_policy_grad(self, mb: MicroBatch, num_tokens: int, num_seqs: int) -> torch.Tensor:
-        """d(loss of ``mb``, scaled as its backward pass would be)/d logprob, per label, at ratio 1.
-
-        The policy loss is evaluated at ``logp = old_logp = 0``: for a ratio-only loss every
-        intermediate equals its value at the real logprobs (``logp - old_logp`` is exactly 0 in
-        both), so the gradient is the one the ordinary backward pass would bring to the head."""
-        z = torch.zeros(mb.labels.shape, dtype=torch.float32, device=self.device, requires_grad=True)
-        mask = torch.ones_like(mb.labels, dtype=torch.bool)
-        with torch.enable_grad():
-            tok_loss, _ = self.policy_loss.per_token_loss(z, z.detach(), mb.advantages, mask, mb.seq_local)
-            w = aggregation_weights(self.policy_loss.loss_agg, mask, mb.seq_local, num_tokens, num_seqs,
-                                    num_local_seqs=len(mb.seq_indices))
-            loss = (tok_loss * w).sum()
-            (g,) = torch.autograd.grad(loss * self.world_size if self.world_size > 1 else loss, z, allow_unused=True)
-        return torch.zeros_like(z) if g is None else g.detach()
-
     # -------------------------------------------------------------------------- train
     def train_step(self, seqs: list[TrainSequence]) -> dict[str, float]:
         """One RL step on this rank's sequences (collective). Returns ``train/*`` and ``mismatch/*``
         metrics (global); the engine-trainer mismatch is measured whether or not ``rollout_is``
         corrects for it."""
         t0 = time.perf_counter()
-        k = self.cfg.optimizer_steps
-        is_cfg = self.cfg.rollout_is
-        kl_cfg = self.cfg.kl
-        groups = split_minibatches([s.num_tokens for s in seqs], k)
+        groups = split_minibatches([s.num_tokens for s in seqs], self.cfg.optimizer_steps)
         # Sequences without a trained token change nothing: leave them out of the forwards.
         groups = [[i for i in g if seqs[i].num_valid > 0] for g in groups]
         with torch.profiler.record_function("rlcli/train/pack"):  # a named range in profiler traces
             batches = self._micro_batches(seqs, groups)
-        m = StepMetrics(self.device)
+        step = self._prepare_step(seqs, groups, batches)
+        for j in range(len(batches)):
+            local_loss = self._mini_batch_backward(step, j)
+            with torch.profiler.record_function("rlcli/train/optimizer"):
+                self._optimizer_step(step, j, local_loss)
+            self._scheduler_step()
+        return self._step_metrics(step, t0)
 
+    def _prepare_step(self, seqs: list[TrainSequence], groups: list[list[int]],
+                      batches: list[LazyList[MicroBatch]]) -> _Step:
+        """The passes before the first update (old logprobs and rollout IS where needed, reference
+        logprobs for the KL penalty) and the global counts of every mini-batch."""
+        is_cfg = self.cfg.rollout_is
+        m = StepMetrics(self.device)
         # Old logprobs are needed up front when the policy moves within the step, and when rollout
         # IS may drop tokens (the loss normaliser counts kept tokens only). Otherwise the first and
         # only update's old logprobs are its own detached logprobs, and IS weights come from them.
         old: list[list[torch.Tensor]] | None = None
         corr: list[list[RolloutCorrection]] | None = None
-        if k > 1 or can_reject(is_cfg):
+        if self.cfg.optimizer_steps > 1 or can_reject(is_cfg):
             old = self._old_logprobs(batches, m)
             if is_cfg is not None:
-                corr = [[self._rollout_correction(mb, lp, m) for mb, lp in zip(mbs, row)]
+                corr = [[correction(mb, lp, is_cfg, m) for mb, lp in zip(mbs, row)]
                         for mbs, row in zip(batches, old)]
-        ref = self._reference_logprobs(batches) if kl_cfg.coef > 0 else None
+        ref = self._reference_logprobs(batches) if self.cfg.kl.coef > 0 else None
+        num_tokens, num_seqs = self._global_counts(seqs, groups, batches, corr)
+        return _Step(batches, m, old, corr, ref, num_tokens, num_seqs, head_grad_ahead(self.cfg, self.policy_loss))
 
-        if corr is not None and can_reject(is_cfg):
-            tok_counts, seq_counts = self._kept_counts(batches, corr)
+    def _global_counts(self, seqs: list[TrainSequence], groups: list[list[int]], batches: list[LazyList[MicroBatch]],
+                       corr: list[list[RolloutCorrection]] | None) -> tuple[list[int], list[int]]:
+        """Per mini-batch, summed over the ranks: the tokens and sequences that normalise the loss."""
+        if corr is not None and can_reject(self.cfg.rollout_is):
+            tok_counts, seq_counts = kept_counts(batches, corr, self.device)
         else:
             # what the micro-batches will hold, known without building them (groups keep only
             # sequences with a trained token)
             tok_counts = [float(sum(seqs[i].num_valid for i in g)) for g in groups]
             seq_counts = [float(len(g)) for g in groups]
         counts = self._all_sum(tok_counts + seq_counts)
-        num_tokens, num_seqs = [int(c) for c in counts[:k]], [int(c) for c in counts[k:]]
+        k = self.cfg.optimizer_steps
+        return [int(c) for c in counts[:k]], [int(c) for c in counts[k:]]
 
-        loss_agg = self.policy_loss.loss_agg
-        ahead = self._head_grad_ahead()
-        losses: list[float] = []
-        grad_norms: list[float] = []
-        lrs: list[float] = []
-        skipped = 0
-        for j, mbs in enumerate(batches):
-            local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
-            for mi, mb in enumerate(mbs):
-                self._accumulating(mi < len(mbs) - 1)
-                if ahead:  # the head's gradient is computed in the forward pass; logp, ent carry none
-                    head_value, logp, ent = self._forward(
-                        mb, grad_logp=self._on_policy_grad(mb, num_tokens[j], num_seqs[j]))
-                else:  # the entropy comes from the old pass when there is one, unless the loss needs it
-                    logp, ent = self._forward(mb, with_entropy=old is None or self.cfg.entropy_coef > 0)
-                # k == 1: the weights have not moved since any old pass, so the ratio is exactly 1.
-                old_logp = old[j][mi] if k > 1 else logp.detach()
-                c = corr[j][mi] if corr is not None else self._rollout_correction(mb, old_logp, m)
-                if c is not None and c.keep is not None:
-                    mask, n_kept = c.keep, c.keep.sum()
-                else:
-                    mask, n_kept = torch.ones_like(mb.labels, dtype=torch.bool), mb.num_labels
-                # Ahead, the loss is evaluated here again, at the real logprobs (its gradient came from
-                # the evaluation at 0): its value and metrics are the reported ones, and a non-finite
-                # logprob still makes it non-finite and skips the update, as on the ordinary path.
-                tok_loss, metrics = self.policy_loss.per_token_loss(logp, old_logp, mb.advantages, mask, mb.seq_local)
-                w = aggregation_weights(loss_agg, mask, mb.seq_local, num_tokens[j], num_seqs[j],
-                                        num_local_seqs=len(mb.seq_indices))
-                loss = (tok_loss * (w * c.weight if c is not None and c.weight is not None else w)).sum()
-                if self.cfg.entropy_coef > 0:  # the bonus, weighted like the policy term (masked tokens: 0)
-                    loss = loss - self.cfg.entropy_coef * (ent * w).sum()
-                if ref is not None:
-                    kl = torch.where(mask, kl_penalty(logp, ref[j][mi], kl_cfg.type), 0.0)
-                    loss = loss + kl_cfg.coef * (kl * w).sum()
-                    m.add_sum("kl_ref", kl.detach().sum(), n_kept)
-                # The weights already normalise by the global count, but FSDP averages gradients over
-                # ranks: scale by the world size so the update is the gradient of the global loss.
-                if ahead:  # its gradient is that of the scaled loss (computed by _on_policy_grad)
-                    head_value.backward()
-                else:
-                    (loss * self.world_size if self.world_size > 1 else loss).backward()
-                local_loss += loss.detach()
-                # Every rank adds the same metric names (weight 0 when empty): they are reduced together.
-                m.add_loss_metrics(metrics, n_kept)
-                if old is None:
-                    m.add_sum("entropy", ent.sum(), mb.num_labels)
-                has = mb.has_rollout_logprobs
-                diff = torch.where(has, (old_logp.detach() - mb.rollout_logprobs).abs(), 0.0)
-                m.add_sum("rollout_logprob_diff", diff.sum(), has.sum())
-            with torch.profiler.record_function("rlcli/train/optimizer"):
-                loss_t = local_loss.double()
-                if self.world_size > 1:
-                    dist.all_reduce(loss_t, group=self.group)
-                stats = torch.stack([loss_t, self._clip_grad_norm().to(self.device, torch.float64)])  # (loss, grad norm), on the device
-                lrs.append(self.optimizer.param_groups[0]["lr"])
-                if num_tokens[j] == 0:
-                    # Nothing to learn from (all ranks agree): no update; the schedule still advances.
-                    losses.append(0.0)
-                    grad_norms.append(0.0)
-                else:
-                    # A non-finite loss or gradient skips the update. Once AdamW's moments exist the
-                    # step is queued right behind the backward pass and skipped on the device, and
-                    # the host reads the loss and norm afterwards; the first step decides on the host.
-                    found_inf = (~torch.isfinite(stats).all()).float()
-                    queued = adamw_step_local(self.optimizer, found_inf)
-                    step_loss, grad_norm = stats.tolist()
-                    if math.isfinite(step_loss) and math.isfinite(grad_norm):
-                        if not queued:
-                            self.optimizer.step()
-                        losses.append(step_loss)
-                        grad_norms.append(grad_norm)
-                    else:
-                        skipped += 1
-                self.optimizer.zero_grad(set_to_none=True)
-            with warnings.catch_warnings():
-                # A skipped first update would make torch warn that the scheduler stepped first.
-                warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
-                self.scheduler.step()
+    def _mini_batch_backward(self, step: _Step, j: int) -> torch.Tensor:
+        """Forward and backward passes of every micro-batch of mini-batch ``j``, their gradients
+        accumulating; returns this rank's part of the mini-batch loss (a float32 device scalar)."""
+        mbs = step.batches[j]
+        local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        for mi, mb in enumerate(mbs):
+            self._accumulating(mi < len(mbs) - 1)
+            local_loss += self._micro_batch_backward(step, j, mi, mb)
+        return local_loss
 
-        red = m.reduce(self.world_size, self.group)
+    def _micro_batch_backward(self, step: _Step, j: int, mi: int, mb: MicroBatch) -> torch.Tensor:
+        """Forward pass, loss and backward pass of micro-batch ``mi`` of mini-batch ``j``; adds its
+        metrics to the step's and returns its loss (detached)."""
+        m = step.metrics
+        if step.ahead:  # the head's gradient is computed in the forward pass; logp, ent carry none
+            g = on_policy_grad(self.policy_loss, mb, step.num_tokens[j], step.num_seqs[j], self.world_size, self.device)
+            head_value, logp, ent = self._forward(mb, grad_logp=g)
+        else:  # the entropy comes from the old pass when there is one, unless the loss needs it
+            logp, ent = self._forward(mb, with_entropy=step.old is None or self.cfg.entropy_coef > 0)
+        # k == 1: the weights have not moved since any old pass, so the ratio is exactly 1.
+        old_logp = step.old[j][mi] if self.cfg.optimizer_steps > 1 else logp.detach()
+        c = step.corr[j][mi] if step.corr is not None else correction(mb, old_logp, self.cfg.rollout_is, m)
+        ref_logp = step.ref[j][mi] if step.ref is not None else None
+        loss, metrics, n_kept = micro_batch_loss(self.cfg, self.policy_loss, mb, logp, old_logp, ent, c, ref_logp,
+                                                 (step.num_tokens[j], step.num_seqs[j]), m)
+        # The weights already normalise by the global count, but FSDP averages gradients over
+        # ranks: scale by the world size so the update is the gradient of the global loss.
+        if step.ahead:  # its gradient is that of the scaled loss (computed by on_policy_grad)
+            head_value.backward()
+        else:
+            (loss * self.world_size if self.world_size > 1 else loss).backward()
+        # Every rank adds the same metric names (weight 0 when empty): they are reduced together.
+        m.add_loss_metrics(metrics, n_kept)
+        if step.old is None:
+            m.add_sum("entropy", ent.sum(), mb.num_labels)
+        has = mb.has_rollout_logprobs
+        diff = torch.where(has, (old_logp.detach() - mb.rollout_logprobs).abs(), 0.0)
+        m.add_sum("rollout_logprob_diff", diff.sum(), has.sum())
+        return loss.detach()
+
+    def _optimizer_step(self, step: _Step, j: int, local_loss: torch.Tensor) -> None:
+        """Clip mini-batch ``j``'s gradients and apply them (see below for when not); records the
+        loss, gradient norm and learning rate, and clears the gradients."""
+        loss_t = local_loss.double()
+        if self.world_size > 1:
+            dist.all_reduce(loss_t, group=self.group)
+        stats = torch.stack([loss_t, self._clip_grad_norm().to(self.device, torch.float64)])  # (loss, grad norm), on the device
+        step.lrs.append(self.optimizer.param_groups[0]["lr"])
+        if step.num_tokens[j] == 0:
+            # Nothing to learn from (all ranks agree): no update; the schedule still advances.
+            step.losses.append(0.0)
+            step.grad_norms.append(0.0)
+        else:
+            # A non-finite loss or gradient skips the update. Once AdamW's moments exist the
+            # step is queued right behind the backward pass and skipped on the device, and
+            # the host reads the loss and norm afterwards; the first step decides on the host.
+            found_inf = (~torch.isfinite(stats).all()).float()
+            queued = adamw_step_local(self.optimizer, found_inf)
+            step_loss, grad_norm = stats.tolist()
+            if math.isfinite(step_loss) and math.isfinite(grad_norm):
+                if not queued:
+                    self.optimizer.step()
+                step.losses.append(step_loss)
+                step.grad_norms.append(grad_norm)
+            else:
+                step.skipped += 1
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _scheduler_step(self) -> None:
+        with warnings.catch_warnings():
+            # A skipped first update would make torch warn that the scheduler stepped first.
+            warnings.filterwarnings("ignore", message=re.escape("Detected call of `lr_scheduler.step()`"))
+            self.scheduler.step()
+
+    def _step_metrics(self, step: _Step, t0: float) -> dict[str, float]:
+        """The step's metrics, reduced over the ranks, with defaults for those no micro-batch gave."""
+        red = step.metrics.reduce(self.world_size, self.group)
         out = finalize_metrics({(name if "/" in name else f"train/{name}"): value for name, value in red.items()})
         out.setdefault("train/entropy", 0.0)
         out.setdefault("train/rollout_logprob_diff", 0.0)
@@ -460,14 +424,15 @@ class TrainWorker:
             out.setdefault(f"train/{name}", 0.0)
         for name in ("ratio_max", "ratio_min"):
             out.setdefault(f"train/{name}", 1.0)
+        losses, grad_norms = step.losses, step.grad_norms
         out.update({
             "train/loss": sum(losses) / len(losses) if losses else float("nan"),
             "train/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-            "train/lr": lrs[-1],
-            "train/tokens": float(sum(num_tokens)),
-            "train/sequences": float(sum(num_seqs)),
-            "train/skipped_steps": float(skipped),
-            "train/micro_batches": float(sum(len(b) for b in batches)),
+            "train/lr": step.lrs[-1],
+            "train/tokens": float(sum(step.num_tokens)),
+            "train/sequences": float(sum(step.num_seqs)),
+            "train/skipped_steps": float(step.skipped),
+            "train/micro_batches": float(sum(len(b) for b in step.batches)),
             "train/step_time_s": time.perf_counter() - t0,
         })
         return out
