@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlcli.backends.embedded import sample_plain_keyed  # noqa: E402
 from rlcli.compiling import compile_rows_dynamic  # noqa: E402
-from rlcli.train.worker import _dlogits, _softmax_stats  # noqa: E402
+from rlcli.train.logprobs import _dlogits, _softmax_stats  # noqa: E402
 
 V = 151936
 

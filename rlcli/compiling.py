@@ -1,16 +1,20 @@
-"""``torch.compile`` with only the row dimension symbolic.
+"""``torch.compile`` helpers: only the row dimension symbolic; decoder layers under a memory budget.
 
-``torch.compile(fn, dynamic=True)`` makes every dimension symbolic, the vocabulary included, and
-the generated kernels then compute their indices with run-time divisions by it. Measured on the
-H200 (``benchmarks/compile_dynamic.py``, bf16, vocabulary 151,936): the logprob backward's
-pointwise kernel took 2.05 ms per 4,096-row chunk that way and 0.98 ms with the vocabulary a
-constant; the logprob statistics 1.25 against 0.85 ms; the engine's sampler 325 against 254 µs
-for 512 rows. Marking only dimension 0 of the tensor arguments dynamic gives those kernels
-while one compilation still serves every row count.
+:func:`compile_rows_dynamic`: ``torch.compile(fn, dynamic=True)`` makes every dimension
+symbolic, the vocabulary included, and the generated kernels then compute their indices with
+run-time divisions by it. Measured on the H200 (``benchmarks/compile_dynamic.py``, bf16,
+vocabulary 151,936): the logprob backward's pointwise kernel took 2.05 ms per 4,096-row chunk
+that way and 0.98 ms with the vocabulary a constant; the logprob statistics 1.25 against
+0.85 ms; the engine's sampler 325 against 254 µs for 512 rows. Marking only dimension 0 of the
+tensor arguments dynamic gives those kernels while one compilation still serves every row count.
+
+:func:`layer_compile_kwargs`: the ``nn.Module.compile`` arguments of a trained decoder layer under
+``train_worker.fsdp.activation_memory_budget``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -36,3 +40,28 @@ def compile_rows_dynamic(fn: Callable[..., Any], dims: dict[int, tuple[int, ...]
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call
+
+
+@functools.cache
+def _inductor_with_budget(budget: float):
+    """Inductor, partitioning forward and backward under ``activation_memory_budget``.
+
+    The budget is a global functorch setting that compiled graphs are not keyed on, so a plain
+    ``torch.compile`` would silently reuse a graph partitioned under another budget (a second
+    TrainWorker in the process, say). One backend object per budget keeps them apart: Dynamo
+    recompiles when the backend differs.
+    """
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm, example_inputs):
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compile_fx(gm, example_inputs)
+
+    return backend
+
+
+def layer_compile_kwargs(budget: float) -> dict[str, Any]:
+    """Keyword arguments for ``layer.compile``: none at a budget of 1 (or more), else Inductor under ``budget``."""
+    return {} if budget >= 1 else {"backend": _inductor_with_budget(float(budget))}
+

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from rlcli.algo.loss import GSPOPolicyLoss, PolicyLoss, VanillaPolicyLoss
-from rlcli.train import worker as worker_mod
-from rlcli.train.worker import chunked_logprobs, head_value_and_grad_ahead
+from rlcli.train import logprobs as logprobs_mod
+from rlcli.train.logprobs import chunked_logprobs, head_value_and_grad_ahead
+from rlcli.train.step_loss import head_grad_ahead
 
 from .test_shared_prompts import grouped_batch
 from .test_train_worker import assert_same_update, make_worker, model_dir, state  # noqa: F401
@@ -79,8 +80,8 @@ def test_gradient_ahead_checks_its_inputs():
 def projections(monkeypatch):
     """Counts the LM head's chunk projections."""
     calls = []
-    original = worker_mod._chunk_logits
-    monkeypatch.setattr(worker_mod, "_chunk_logits", lambda *a: calls.append(1) or original(*a))
+    original = logprobs_mod._chunk_logits
+    monkeypatch.setattr(logprobs_mod, "_chunk_logits", lambda *a: calls.append(1) or original(*a))
     return calls
 
 
@@ -142,11 +143,11 @@ class _NotRatioOnly(PolicyLoss):
 ])
 def test_used_only_where_the_gradient_is_known_ahead(model_dir, monkeypatch, cfg, loss, ahead):
     recomputed = []  # backward passes of the ordinary head, which project the logits again
-    ordinary = worker_mod._ChunkedLogprob.backward
-    monkeypatch.setattr(worker_mod._ChunkedLogprob, "backward",
+    ordinary = logprobs_mod._ChunkedLogprob.backward
+    monkeypatch.setattr(logprobs_mod._ChunkedLogprob, "backward",
                         staticmethod(lambda ctx, *g: recomputed.append(1) or ordinary(ctx, *g)))
     w = make_worker(model_dir, loss=loss, logprob_chunk_size=5, **cfg)
-    assert w._head_grad_ahead() is ahead
+    assert head_grad_ahead(w.cfg, w.policy_loss) is ahead
     m = w.train_step(grouped_batch(groups=2, size=2, seed=6))
     assert math.isfinite(m["train/loss"]) and m["train/skipped_steps"] == 0
     assert bool(recomputed) is not ahead
@@ -181,7 +182,7 @@ def test_gradient_ahead_on_cuda_bf16_compiled():
     h.grad = w.grad = None
     value, lp2, ent2 = head_value_and_grad_ahead(h, w, None, labels, it, g, 1024, fused=True)
     value.backward()
-    assert worker_mod._FUSED.compiled.get("stats_dlogits") is not None and not worker_mod._FUSED.broken
+    assert logprobs_mod._FUSED.compiled.get("stats_dlogits") is not None and not logprobs_mod._FUSED.broken
     torch.testing.assert_close(lp2, lp.detach(), rtol=0, atol=1e-3)
     torch.testing.assert_close(ent2, ent, rtol=0, atol=1e-3)
     for got, want in ((h.grad, gh), (w.grad, gw)):

@@ -21,7 +21,7 @@ from rlcli.train.data import (
     pack_sequences,
     split_minibatches,
 )
-from rlcli.train.worker import PolicyModel, chunked_logprobs
+from rlcli.train.logprobs import PolicyModel, chunked_logprobs
 
 
 def seq(prompt, response, mask=None, logprobs=None, adv=1.0, temperature=1.0, seq_id=0) -> TrainSequence:
@@ -363,7 +363,7 @@ def test_fused_chunked_logprobs_match_eager_on_cuda(unit_temperature):
 
 
 def test_dlogits_eager_equals_the_compilable_form():
-    from rlcli.train.worker import _dlogits, _dlogits_eager
+    from rlcli.train.logprobs import _dlogits, _dlogits_eager
 
     torch.manual_seed(4)
     logits = torch.randn(9, 31) * 2
@@ -401,7 +401,7 @@ def test_row_dynamic_compilation_matches_eager_and_compiles_once():
     from torch._dynamo.utils import counters
 
     from rlcli.compiling import compile_rows_dynamic
-    from rlcli.train.worker import _dlogits, _softmax_stats
+    from rlcli.train.logprobs import _dlogits, _softmax_stats
 
     torch._dynamo.reset()
     counters.clear()

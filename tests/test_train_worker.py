@@ -21,6 +21,7 @@ from rlcli.models import tiny_model_dir
 from rlcli.tokenizer import load_tokenizer
 from rlcli.train.data import TrainSequence
 from rlcli.train.lr import LRSchedule, build_scheduler
+from rlcli.train.step_loss import head_grad_ahead
 from rlcli.train.worker import TrainWorker
 
 
@@ -190,7 +191,7 @@ def test_activation_memory_budget_needs_torch_compile():
 
 @pytest.mark.parametrize("max_norm", [1e-3, 1e6, math.inf])
 def test_grad_clipping_on_local_shards_matches_the_full_gradient(model_dir, max_norm):
-    from rlcli.train.worker import clip_grad_norm_local
+    from rlcli.train.optim import clip_grad_norm_local
 
     w = make_worker(model_dir)
     seqs = make_batch(n=8)
@@ -521,7 +522,7 @@ def test_entropy_bonus_adds_its_term_and_raises_the_entropy(model_dir):
     the ordinary backward pass, which carries the entropy's)."""
     seqs = make_batch(n=16, seed=3)
     plain, bonus = make_worker(model_dir), make_worker(model_dir, entropy_coef=0.5)
-    assert plain._head_grad_ahead() and not bonus._head_grad_ahead()
+    assert head_grad_ahead(plain.cfg, plain.policy_loss) and not head_grad_ahead(bonus.cfg, bonus.policy_loss)
     mp, mb = plain.train_step(seqs), bonus.train_step(seqs)
     assert mp["train/entropy"] == pytest.approx(mb["train/entropy"], abs=1e-6)  # same weights before the step
     assert mb["train/loss"] == pytest.approx(mp["train/loss"] - 0.5 * mp["train/entropy"], abs=1e-5)

@@ -1,0 +1,129 @@
+"""The trained weights out of FSDP2: HF-named buckets for an inference engine, and HF model dirs.
+
+Used through ``TrainWorker.iter_weights``, ``full_state_dict`` and ``save_hf``, which pass
+their model, group and rank. Every function here is collective over the worker's group.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from rlcli.dist import barrier
+from rlcli.fsutil import publish_dir
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+Bucket = list[tuple[str, torch.Tensor]]
+
+
+def iter_weights(model: nn.Module, hf_model: nn.Module, bucket_bytes: int, dtype: torch.dtype, live: bool,
+                 lendable: bool) -> Iterator[Bucket]:
+    """``TrainWorker.iter_weights``: ``hf_model``'s full tensors in buckets (``model``: the FSDP
+    root around it, resharded first). ``live`` needs ``lendable`` (one rank)."""
+    if live and not lendable:
+        raise ValueError("iter_weights(live=True) needs a single rank (each parameter whole on it)")
+    model.reshard()
+    named = hf_model.state_dict(keep_vars=True)  # the parameters themselves: no per-tensor detach
+    # Tied weights are one parameter under several names: gather once, yield under each name.
+    aliases: dict[int, list[str]] = {}
+    for name, p in hf_model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    canonical = {n: names[0] for names in aliases.values() for n in names}
+    remaining = {names[0]: len(names) for names in aliases.values()}
+    cache: dict[str, torch.Tensor] = {}
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in named.items():
+        src = canonical.get(name, name)
+        if src in cache:
+            full, nbytes = cache[src], 0
+        else:
+            with torch.no_grad():  # the state dict holds the parameters themselves (keep_vars)
+                full = _lent(tensor) if live else _full(tensor, dtype)
+            nbytes = full.numel() * (dtype.itemsize if live and full.is_floating_point() else full.element_size())
+        left = remaining.get(src, 1) - 1
+        remaining[src] = left
+        if left > 0:
+            cache[src] = full
+        else:
+            cache.pop(src, None)
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, full))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def _lent(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a one-rank parameter, detached, not copied."""
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    if tuple(local.shape) != tuple(tensor.shape):
+        raise RuntimeError(f"parameter of shape {tuple(tensor.shape)} has a local shard of {tuple(local.shape)}")
+    return local.detach()
+
+
+def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if isinstance(tensor, DTensor):
+        local = tensor._local_tensor
+        # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a
+        # collective launch per tensor).
+        whole = tensor.device_mesh.size() == 1 and tuple(local.shape) == tuple(tensor.shape)
+        full = local if whole else tensor.full_tensor()
+    else:
+        local = full = tensor
+    full = full.detach()
+    if full.is_floating_point():
+        full = full.to(dtype)
+    if full.data_ptr() == local.data_ptr():
+        full = full.clone()
+    return full
+
+
+def full_state_dict(buckets: Iterable[Bucket], keep: bool, device: str | torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of ``buckets`` on ``device`` where ``keep`` (rank 0 of the group), else ``{}``;
+    the buckets are drained either way (every rank takes part in each gather)."""
+    out: dict[str, torch.Tensor] = {}
+    for bucket in buckets:
+        if keep:
+            out.update((n, t.to(device)) for n, t in bucket)
+    return out
+
+
+def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, *, tied: bool,
+            tokenizer, writer: bool, group: dist.ProcessGroup | None) -> Path:
+    """``TrainWorker.save_hf``: ``writer`` (rank 0 of the group, holding the full ``state``) writes
+    ``out`` atomically; every rank of ``group`` waits for it."""
+    from transformers import AutoModelForCausalLM
+
+    from rlcli.tokenizer import save_tokenizer
+
+    if writer:
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        config = copy.deepcopy(hf_model.config)
+        config.use_cache = True
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        plain.load_state_dict(state, strict=True, assign=True)
+        if tied:
+            plain.tie_weights()
+        plain.generation_config = copy.deepcopy(hf_model.generation_config)
+        # Recent transformers write only on global rank 0 of the job; the writer is rank 0 of this
+        # worker's group (not global rank 0 when other ranks do rollout), and it holds the full state.
+        plain.should_save_on_this_rank = lambda is_main_process=True: bool(is_main_process)
+        plain.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
+        publish_dir(tmp, out)
+    barrier(group)
+    return out
