@@ -391,7 +391,7 @@ def test_crash_reason_survives_a_concurrent_reap():
     """A worker's crash is reported with its exit status even when another call's worker start-up
     reaps the dead worker first. (Once, under the full suite's load, the crash test below read
     'exit status unknown' instead of 'killed by SIGSEGV'; such a reap is a way to get there.)"""
-    from rlcli.judging import _exit_reason, _exitcode, _Proc
+    from rlcli.judgers.processes import _exit_reason, _exitcode, _Proc
 
     pool = pool_for(ScriptedJudger(), "process", workers=1, timeout_s=10)
     try:
@@ -581,3 +581,14 @@ def test_defaults_come_from_the_judger_config():
         JudgePool(ScriptedJudger(), workers=0)
     with pytest.raises(ValueError, match="fork"):
         JudgePool(ScriptedJudger(), executor="process", mp_context="fork")
+
+
+def test_rlcli_judging_re_exports_the_pool():
+    """``rlcli.judging`` is kept for plugins and docs: its names are the ones under ``rlcli.judgers``."""
+    import rlcli.judging as compat
+    from rlcli.judgers import calls, pool, processes
+
+    assert compat.JudgePool is pool.JudgePool and compat.default_workers is pool.default_workers
+    assert compat.normalize_reward is calls.normalize_reward and compat.Executor is pool.Executor
+    assert (compat._Proc, compat._exit_reason, compat._exitcode) == (processes._Proc, processes._exit_reason, processes._exitcode)
+    assert set(compat.__all__) == {"JudgePool", "default_workers", "normalize_reward"}

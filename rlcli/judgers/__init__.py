@@ -5,8 +5,9 @@
 * ``char_match``: partial credit, the fraction of positions where response and label agree.
 * ``composed``: routes each sample by ``data_source`` to one of several judgers.
 
-The contract is in :mod:`rlcli.judgers.base`; :mod:`rlcli.judging` runs judgers with timeouts in
-a thread or process pool so that a failing judger marks one sample FAILED, never the run.
+The contract is in :mod:`rlcli.judgers.base`; :mod:`rlcli.judgers.pool` runs judgers with timeouts
+in a thread or process pool so that a failing judger marks one sample FAILED, never the run. The
+pool is not imported here: importing :mod:`rlcli.judgers` stays as light as the judgers.
 """
 
 from __future__ import annotations

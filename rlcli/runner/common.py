@@ -170,7 +170,7 @@ class Environment:
 
 
 def build_judge_pool(task_cfg: TaskConfig):
-    from rlcli.judging import JudgePool
+    from rlcli.judgers.pool import JudgePool
 
     return JudgePool(task_cfg.judger.build())
 

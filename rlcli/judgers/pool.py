@@ -1,0 +1,350 @@
+"""The judge pool: run a judger on COMPLETED samples without ever crashing the run.
+
+:class:`JudgePool` wraps one judger instance and fills ``sample.reward`` (a dict with a finite
+float ``"score"``) or marks the sample ``FAILED`` with a reason in ``sample.error``:
+
+* ``"judger timeout after 30.0s"``: the call ran longer than ``timeout_s``;
+* ``"judger raised ValueError: ..."``: the judger raised;
+* ``"judger worker process crashed (exit code 1)"`` / ``"... (killed by SIGSEGV)"``;
+* ``"judger returned ..."``: the result is not a number or a dict with a finite ``"score"``.
+
+Where ``judge()`` runs is the judger config's ``executor``:
+
+``inline``
+    Called directly in the event loop. No timeout, no isolation, no overhead: for trivial rules.
+``thread`` (:mod:`rlcli.judgers.threads`)
+    A pool of daemon threads; the timeout is measured from when a worker picks the call up.
+    A thread cannot be killed, so a call that times out (or is cancelled) leaves its thread
+    running: that thread is *retired* (it exits when the call eventually returns) and a
+    replacement worker is started, so capacity is kept. At most ``max_hung_threads`` retired
+    threads are replaced; beyond that the pool runs with fewer workers until they return
+    (``hung_threads`` reports how many are stuck). Daemon threads, unlike a
+    ``concurrent.futures.ThreadPoolExecutor``'s, never block interpreter exit.
+``process`` (:mod:`rlcli.judgers.processes`)
+    A pool of worker processes, each running one call at a time. The judger is pickled once
+    when the pool is built and loaded once per worker, never per call. A worker that times out
+    is killed and replaced; a worker that dies (``os._exit``, a segfault, the OOM killer) fails
+    only the sample it was judging. Workers start on first use; their start-up time is not
+    counted against the timeout. They are started with ``forkserver`` (``spawn`` where that is
+    missing), never ``fork``; as with any multiprocessing code, the judger class must live in an
+    importable module and a script that builds such a pool needs an
+    ``if __name__ == "__main__":`` guard.
+
+If ``judge()`` returns an awaitable (an ``async def`` judger, e.g. an HTTP reward model), it is
+awaited: with the timeout in the event loop for ``inline``, in a private loop in a worker
+otherwise.
+
+Pause protocol (XTuner's judger grace): :meth:`JudgePool.cancel_pending` lets running calls
+finish for ``grace_s`` seconds, then cancels the rest; their samples become ``ABORTED`` with
+``reward None`` and ``finish_reason "abort"``. Counters are read and reset with
+:meth:`JudgePool.pop_stats`.
+
+A judge call and its outcome are in :mod:`rlcli.judgers.calls`. :mod:`rlcli.judging` re-exports
+this module's public names for code written before the pool lived here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import time
+from typing import Any, Literal
+
+from rlcli.judgers.calls import _Abort, _clip, _describe_exception, _Outcome, _timed_out, normalize_reward
+from rlcli.judgers.processes import _Proc, _ProcessExecutor, _Slots
+from rlcli.judgers.threads import _ThreadExecutor, _ThreadWorkers
+from rlcli.types import Sample, Status
+
+__all__ = ["Executor", "JudgePool", "default_workers", "normalize_reward"]
+
+log = logging.getLogger(__name__)
+
+Executor = Literal["inline", "thread", "process"]
+
+
+def default_workers() -> int:
+    """min(4, usable CPU cores)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
+@dataclasses.dataclass
+class _Pending:
+    sample: Sample
+    cancelled_by: Literal["pause", "close"] | None = None
+
+
+class JudgePool(_ThreadExecutor, _ProcessExecutor):
+    """Runs one judger on samples with a timeout, in the event loop, a thread pool or a process pool.
+
+    Args:
+        judger: a judger instance (``judge(response, label, sample)``); for ``process`` it must
+            be picklable.
+        executor / timeout_s: default to the judger config's ``executor`` and ``timeout_s``.
+        workers: concurrent judge calls; default ``min(4, cpu cores)``.
+        max_hung_threads: how many stuck threads (``thread`` executor) get a replacement.
+        mp_context: multiprocessing start method for ``process`` (default ``forkserver`` where
+            available, else ``spawn``; never ``fork``, which is unsafe in a threaded process).
+    """
+
+    def __init__(
+        self,
+        judger: Any,
+        *,
+        executor: Executor | None = None,
+        timeout_s: float | None = None,
+        workers: int | None = None,
+        max_hung_threads: int | None = None,
+        mp_context: str | None = None,
+    ):
+        cfg = getattr(judger, "config", None)
+        self.judger = judger
+        self.executor: Executor = executor or getattr(cfg, "executor", None) or "thread"
+        if self.executor not in ("inline", "thread", "process"):
+            raise ValueError(f"executor must be 'inline', 'thread' or 'process', got {self.executor!r}")
+        self.timeout_s = float(timeout_s if timeout_s is not None else getattr(cfg, "timeout_s", 30.0))
+        self.truncated_score: float | None = getattr(cfg, "truncated_score", None)
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        self.workers = workers if workers is not None else default_workers()
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        self.max_hung_threads = max_hung_threads if max_hung_threads is not None else max(4, 2 * self.workers)
+        self._name = getattr(judger, "name", "") or type(judger).__name__
+        self._closed = False
+        self._stats_lock = threading.Lock()
+        self._stats = self._zero_stats()
+        self._pending: dict[asyncio.Task, _Pending] = {}
+        self._threads: _ThreadWorkers | None = None
+        self._slots: _Slots | None = None
+        self._procs: list[_Proc] = []
+        self._init_error: str | None = None
+        if self.executor == "thread":
+            self._threads = _ThreadWorkers(self.workers, self.max_hung_threads)
+        elif self.executor == "process":
+            try:
+                self._judger_bytes = pickle.dumps(judger)
+            except Exception as exc:
+                raise TypeError(
+                    f"judger {self._name!r} cannot be pickled for executor 'process' "
+                    f"({type(exc).__name__}: {exc}); make it picklable or use executor 'thread'"
+                ) from exc
+            method = mp_context or ("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+            if method == "fork":
+                raise ValueError("mp_context 'fork' is not supported (unsafe with threads); use forkserver or spawn")
+            self._ctx = multiprocessing.get_context(method)
+            self._slots = _Slots(self.workers)
+
+    # ---------------------------------------------------------------- public API
+    @property
+    def hung_threads(self) -> int:
+        """Threads still stuck in a call that timed out or was cancelled (``thread`` executor)."""
+        if self._threads is None:
+            return 0
+        with self._threads.lock:
+            return len(self._threads.hung)
+
+    @property
+    def pending(self) -> int:
+        """Judge calls in progress."""
+        return len(self._pending)
+
+    async def judge(self, sample: Sample) -> None:
+        """Judge one sample in place: COMPLETED → reward set, or FAILED with ``error``; others untouched."""
+        if sample.status != Status.COMPLETED:
+            return
+        if self._closed:
+            raise RuntimeError("JudgePool is closed")
+        if self.truncated_score is not None and sample.finish_reason == "length":
+            self._count("judger/truncated")  # scored without a judge call: it never ended with EOS
+            sample.reward, sample.error = {"score": float(self.truncated_score), "truncated": True}, None
+            return
+        if self.executor == "inline" and not inspect.iscoroutinefunction(self.judger.judge):
+            start = time.perf_counter()  # fast path: no task, no await (cheap rule-based judgers)
+            try:
+                outcome = _Outcome("ok", self.judger.judge(sample.response, sample.label, sample))
+            except Exception as exc:
+                outcome = _Outcome("error", _describe_exception(exc))
+            self._count("judger/time_s", time.perf_counter() - start)
+            self._apply(sample, outcome)
+            return
+        entry = _Pending(sample)
+        start = time.perf_counter()
+        task = asyncio.ensure_future(self._run(sample))
+        self._pending[task] = entry
+        try:
+            outcome = await task
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            outer_cancelled = bool(current is not None and getattr(current, "cancelling", lambda: 0)())
+            if entry.cancelled_by is None or outer_cancelled:
+                raise
+            if entry.cancelled_by == "close":
+                self._count("judger/calls")
+                self._count("judger/errors")
+                sample.status, sample.reward, sample.error = Status.FAILED, None, "judge pool was closed during the call"
+            return  # "pause": cancel_pending() already marked the sample ABORTED
+        finally:
+            self._pending.pop(task, None)
+            self._count("judger/time_s", time.perf_counter() - start)
+        self._apply(sample, outcome)
+
+    async def judge_group(self, samples: list[Sample], *, only_if_all_completed: bool = False) -> list[Sample]:
+        """Judge the COMPLETED members of a group concurrently; returns ``samples`` (order kept).
+
+        With ``only_if_all_completed`` nothing is judged unless every member is COMPLETED (a
+        group that will be re-rolled anyway costs no judge time).
+        """
+        if only_if_all_completed and any(s.status != Status.COMPLETED for s in samples):
+            return samples
+        await asyncio.gather(*(self.judge(s) for s in samples))
+        return samples
+
+    async def cancel_pending(self, grace_s: float = 10.0) -> int:
+        """Let in-flight judge calls run ``grace_s`` more seconds, then cancel the rest.
+
+        Samples whose call is cancelled become ABORTED with ``reward None`` and
+        ``finish_reason "abort"``. Returns how many were aborted.
+        """
+        deadline = time.monotonic() + max(0.0, grace_s)
+        while self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.wait(list(self._pending), timeout=left)
+        victims = []
+        for task, entry in list(self._pending.items()):
+            if entry.cancelled_by is not None or task.done() or not task.cancel():
+                continue
+            entry.cancelled_by = "pause"
+            s = entry.sample
+            s.status, s.reward, s.finish_reason = Status.ABORTED, None, "abort"
+            s.error = f"judge call cancelled after the {grace_s:g}s pause grace period"
+            victims.append(task)
+        if victims:
+            self._count("judger/aborted", len(victims))
+            await asyncio.wait(victims)  # let them release their workers
+        return len(victims)
+
+    def pop_stats(self) -> dict[str, float]:
+        """Counters since the last call, then reset them.
+
+        ``judger/calls`` (judged samples), ``judger/errors`` (exceptions, bad results, crashes),
+        ``judger/timeouts``, ``judger/aborted`` (cancelled by a pause), ``judger/truncated`` (cut off
+        at max_tokens and given ``truncated_score`` without a call), ``judger/time_s`` (summed
+        wall time of the calls, waiting for a free worker included), and the gauge
+        ``judger/hung_threads`` (not reset).
+        """
+        with self._stats_lock:
+            stats, self._stats = self._stats, self._zero_stats()
+        stats["judger/hung_threads"] = self.hung_threads
+        return stats
+
+    def close(self) -> None:
+        """Stop every worker, killing processes (hung ones too). Idempotent.
+
+        Calls still in flight are cancelled; their samples become FAILED ("judge pool was
+        closed during the call").
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for task, entry in list(self._pending.items()):
+            if entry.cancelled_by is None and not task.done():
+                entry.cancelled_by = "close"
+                try:
+                    task.get_loop().call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # its loop is closed
+                    pass
+        if self._threads is not None:
+            self._threads.close()
+        idle = {id(p) for p in (self._slots.free if self._slots is not None else []) if p is not None}
+        for p in self._procs:
+            p.kill()
+            if id(p) in idle:
+                p.close_pipe()  # busy workers' pipes are closed by their (cancelled) callers
+        deadline = time.monotonic() + 2.0
+        self._procs = [p for p in self._procs if not p.reap(max(0.0, deadline - time.monotonic()))]
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def __enter__(self) -> "JudgePool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    async def __aenter__(self) -> "JudgePool":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"JudgePool({self._name!r}, executor={self.executor!r}, workers={self.workers}, "
+                f"timeout_s={self.timeout_s}, pending={self.pending}, closed={self._closed})")
+
+    # ---------------------------------------------------------------- internals
+    @staticmethod
+    def _zero_stats() -> dict[str, float]:
+        return {"judger/calls": 0, "judger/errors": 0, "judger/timeouts": 0, "judger/aborted": 0,
+                "judger/truncated": 0, "judger/time_s": 0.0}
+
+    def _count(self, key: str, n: float = 1) -> None:
+        with self._stats_lock:
+            self._stats[key] += n
+
+    def _apply(self, sample: Sample, outcome: _Outcome) -> None:
+        self._count("judger/calls")
+        if outcome.kind == "ok":
+            reward, reason = normalize_reward(outcome.value)
+            if reward is not None:
+                sample.reward, sample.error = reward, None
+                return
+        else:
+            reason = outcome.value
+        self._count("judger/timeouts" if outcome.kind == "timeout" else "judger/errors")
+        sample.status, sample.reward, sample.error = Status.FAILED, None, reason
+        log.debug("judger %s: sample uid=%s FAILED: %s", self._name, sample.uid, reason)
+
+    async def _run(self, sample: Sample) -> _Outcome:
+        try:
+            if self.executor == "inline":
+                return await self._run_inline(sample)
+            if self.executor == "thread":
+                return await self._run_thread(sample)
+            return await self._run_process(sample)
+        except _Abort as exc:
+            return _Outcome("error", str(exc))
+        except Exception as exc:  # a bug in the executor must not crash the run either
+            log.exception("judger %s: executor error", self._name)
+            return _Outcome("error", _clip(f"judge executor error: {type(exc).__name__}: {exc}"))
+
+    async def _run_inline(self, sample: Sample) -> _Outcome:
+        try:
+            result = self.judger.judge(sample.response, sample.label, sample)
+        except Exception as exc:
+            return _Outcome("error", _describe_exception(exc))
+        if not inspect.isawaitable(result):
+            return _Outcome("ok", result)
+        task = asyncio.ensure_future(result)
+        try:
+            await asyncio.wait([task], timeout=self.timeout_s)
+        finally:
+            if not task.done():  # timed out, or we are cancelled
+                task.cancel()
+                await asyncio.wait([task])
+        if task.cancelled():
+            return _timed_out(self.timeout_s)
+        exc = task.exception()
+        return _Outcome("error", _describe_exception(exc)) if exc is not None else _Outcome("ok", task.result())
