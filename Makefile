@@ -35,6 +35,7 @@ PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q $(XDIST) -m "not gpu" tests plugins/rlcli-math-verify/tests plugins/rlcli-python-tool/tests plugins/rlcli-vllm/tests plugins/rlcli-sglang/tests plugins/rlcli-lmdeploy/tests
 
 test-fast: $(STAMP)

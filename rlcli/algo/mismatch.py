@@ -87,6 +87,24 @@ class RolloutCorrection:
     mins: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class _Tokens:
+    """The tokens of one batch as ``rollout_correction`` needs them (float64, invalid ones zeroed)."""
+
+    valid: torch.Tensor  # bool: tokens that have a rollout log-prob
+    old: torch.Tensor
+    rollout: torch.Tensor
+    seq_ids: torch.Tensor
+    num_seqs: int
+
+    @property
+    def delta(self) -> torch.Tensor:  # log(training / rollout) per token
+        return self.old - self.rollout
+
+    def per_seq(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(self.num_seqs, dtype=torch.float64, device=x.device).index_add_(0, self.seq_ids, x)
+
+
 def rollout_correction(
     old_logp: torch.Tensor,
     rollout_logp: torch.Tensor,
@@ -101,64 +119,76 @@ def rollout_correction(
     engine's; ``valid``: bool, tokens that have a rollout log-prob; ``seq_ids``: ``0..num_seqs-1``,
     the sequence of each token (a sequence's tokens are all in this batch). No host sync.
     """
-    dev = old_logp.device
-    f64 = dict(dtype=torch.float64, device=dev)
     valid = valid.bool()
-    validf = valid.double()
-    old = torch.where(valid, old_logp.detach().double(), 0.0)
-    rollout = torch.where(valid, rollout_logp.double(), 0.0)
-    delta = old - rollout  # log(training / rollout) per token
+    t = _Tokens(valid, torch.where(valid, old_logp.detach().double(), 0.0),
+                torch.where(valid, rollout_logp.double(), 0.0), seq_ids, num_seqs)
+    raw = _is_ratio(t, cfg.level)
+    dropped, vetoed_seq = _rejections(t, raw, cfg)
+    weight, truncated = _weights(t, raw, dropped, cfg)
+    keep = ~dropped if can_reject(cfg) else None
+    return RolloutCorrection(weight, keep, *_metrics(t, raw, dropped, truncated, vetoed_seq))
 
-    def per_seq(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(num_seqs, **f64).index_add_(0, seq_ids, x)
 
-    seq_n = per_seq(validf)
-    seq_has = seq_n > 0
-    seq_nc = seq_n.clamp(min=1)
-    seq_delta = per_seq(delta)
-    if cfg.level == "token":
+def _is_ratio(t: _Tokens, level: str) -> torch.Tensor:
+    """The importance ratio training / rollout of each token, at the token, sequence or geometric level."""
+    delta = t.delta
+    if level == "token":
         x = delta
-    elif cfg.level == "sequence":
-        x = seq_delta[seq_ids]
+    elif level == "sequence":
+        x = t.per_seq(delta)[t.seq_ids]
     else:
-        x = (seq_delta / seq_nc)[seq_ids]
-    raw = torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        x = (t.per_seq(delta) / t.per_seq(t.valid.double()).clamp(min=1))[t.seq_ids]
+    return torch.exp(x.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
+
+def _rejections(t: _Tokens, raw: torch.Tensor, cfg: RolloutISConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens dropped by the mask band or by their sequence's veto, and the vetoed sequences."""
     bands = cfg.bands()
-    dropped = torch.zeros_like(valid)
+    dropped = torch.zeros_like(t.valid)
     if masks(cfg):
         lo, hi = bands["mask"]
-        inside = torch.ones_like(valid)
+        inside = torch.ones_like(t.valid)
         if lo is not None:
             inside &= raw >= lo
         if hi is not None:
             inside &= raw <= hi
-        dropped |= valid & ~inside  # a NaN weight is outside every band
-    vetoed_seq = torch.zeros(num_seqs, dtype=torch.bool, device=dev)
+        dropped |= t.valid & ~inside  # a NaN weight is outside every band
+    vetoed_seq = torch.zeros(t.num_seqs, dtype=torch.bool, device=raw.device)
     if vetoes(cfg):
         lo, hi = bands["veto"]
-        bad = torch.zeros_like(valid)
+        delta = t.delta
+        bad = torch.zeros_like(t.valid)
         if lo is not None and lo > 0:
             bad |= delta < math.log(lo)
         if hi is not None:
             bad |= delta > math.log(hi)
-        vetoed_seq = per_seq((bad & valid).double()) > 0
-        dropped |= vetoed_seq[seq_ids]
-    keep = ~dropped if can_reject(cfg) else None
+        vetoed_seq = t.per_seq((bad & t.valid).double()) > 0
+        dropped |= vetoed_seq[t.seq_ids]
+    return dropped, vetoed_seq
 
-    weight = None
-    truncated = torch.zeros_like(valid)
-    if truncates(cfg) or masks(cfg):
-        w = raw
-        if truncates(cfg):
-            lo, hi = bands["threshold"]
-            w = w.clamp(min=lo, max=hi)
-            truncated = valid & ~dropped & (w != raw)
-        weight = torch.where(valid, w, 1.0).float()
 
-    n_tok = validf.sum()
-    n_seq = seq_has.double().sum()
-    seq_mean_old, seq_mean_rollout = per_seq(old) / seq_nc, per_seq(rollout) / seq_nc
+def _weights(t: _Tokens, raw: torch.Tensor, dropped: torch.Tensor,
+             cfg: RolloutISConfig) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The loss weight of each token (None when nothing reweights) and the tokens whose weight was clipped."""
+    truncated = torch.zeros_like(t.valid)
+    if not (truncates(cfg) or masks(cfg)):
+        return None, truncated
+    w = raw
+    if truncates(cfg):
+        lo, hi = cfg.bands()["threshold"]
+        w = w.clamp(min=lo, max=hi)
+        truncated = t.valid & ~dropped & (w != raw)
+    return torch.where(t.valid, w, 1.0).float(), truncated
+
+
+def _metrics(t: _Tokens, raw: torch.Tensor, dropped: torch.Tensor, truncated: torch.Tensor,
+             vetoed_seq: torch.Tensor) -> tuple[dict, dict, dict]:
+    """``mismatch/*`` as (sum, count) pairs, maxima and minima, reduced across ranks by the caller."""
+    valid, delta = t.valid, t.delta
+    seq_n = t.per_seq(valid.double())
+    seq_has, seq_nc = seq_n > 0, seq_n.clamp(min=1)
+    n_tok, n_seq = valid.double().sum(), seq_has.double().sum()
+    seq_mean_old, seq_mean_rollout = t.per_seq(t.old) / seq_nc, t.per_seq(t.rollout) / seq_nc
     dc = delta.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     rv = torch.where(valid, raw, 0.0)
 
@@ -184,17 +214,19 @@ def rollout_correction(
         "mismatch/truncated_frac": tok(truncated.double()),
         "mismatch/veto_frac": seq((vetoed_seq & seq_has).double()),
     }
+    f64 = dict(dtype=torch.float64, device=raw.device)
     neg, pos = torch.tensor(-math.inf, **f64), torch.tensor(math.inf, **f64)
+    has_tok, has_seq = raw.numel() > 0, t.num_seqs > 0
     maxes = {
-        "mismatch/is_max": torch.where(valid, raw, neg).max() if raw.numel() else neg,
-        "mismatch/logprob_abs_diff_max": torch.where(valid, delta.abs(), neg).max() if raw.numel() else neg,
-        "mismatch/log_ppl_diff_max": torch.where(seq_has, log_ppl_diff, neg).max() if num_seqs else neg,
+        "mismatch/is_max": torch.where(valid, raw, neg).max() if has_tok else neg,
+        "mismatch/logprob_abs_diff_max": torch.where(valid, delta.abs(), neg).max() if has_tok else neg,
+        "mismatch/log_ppl_diff_max": torch.where(seq_has, log_ppl_diff, neg).max() if has_seq else neg,
     }
     mins = {
-        "mismatch/is_min": torch.where(valid, raw, pos).min() if raw.numel() else pos,
-        "mismatch/log_ppl_diff_min": torch.where(seq_has, log_ppl_diff, pos).min() if num_seqs else pos,
+        "mismatch/is_min": torch.where(valid, raw, pos).min() if has_tok else pos,
+        "mismatch/log_ppl_diff_min": torch.where(seq_has, log_ppl_diff, pos).min() if has_seq else pos,
     }
-    return RolloutCorrection(weight, keep, sums, maxes, mins)
+    return sums, maxes, mins
 
 
 def finalize_metrics(metrics: dict[str, float]) -> dict[str, float]:
