@@ -228,6 +228,17 @@ def data_arith(out_dir: str) -> None:
     click.echo("wrote " + ", ".join(str(p) for p in paths))
 
 
+@data.command("reverse")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the training sample.")
+def data_reverse(out_dir: str, seed: int) -> None:
+    """Write the multi-token toy task (digit strings backwards; train and held-out disjoint) into OUT_DIR."""
+    from rlcli.data.reverse import write_reverse
+
+    paths = write_reverse(out_dir, seed)
+    click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
 @data.command("tool-arith")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--train", "n_train", type=click.IntRange(min=1), default=1000, show_default=True,
