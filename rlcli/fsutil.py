@@ -1,10 +1,23 @@
-"""Atomic directory publication: build in ``<dest>.tmp``, then swap it in with renames."""
+"""Atomic writes: a JSONL file through ``<name>.tmp``; a directory built in ``<dest>.tmp``, then swapped in."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    """Write ``rows`` as JSON lines to ``path`` (parents created), through a temporary file and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
 
 
 def publish_dir(tmp: str | Path, dest: str | Path) -> Path:

@@ -6,8 +6,9 @@ guess it (chance is 1 in 10) but learns it with GRPO in a few minutes on a lapto
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from rlcli.fsutil import write_jsonl
 
 
 def arith_rows() -> list[dict]:
@@ -25,7 +26,4 @@ def arith_rows() -> list[dict]:
 
 def write_arith(out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "arith.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in arith_rows()))
-    return [path]
+    return [write_jsonl(out / "arith.jsonl", arith_rows())]

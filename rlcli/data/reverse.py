@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import random
 from pathlib import Path
+
+from rlcli.fsutil import write_jsonl
 
 TRAIN_FILE, HELDOUT_FILE = "reverse_train.jsonl", "reverse_heldout.jsonl"
 ALPHABET = "0123456789"
@@ -67,11 +68,5 @@ def reverse_rows(seed: int = 0, rows_per_length: dict[int, int] | None = None) -
 def write_reverse(out_dir: str | Path, seed: int = 0) -> list[Path]:
     """Write ``reverse_train.jsonl`` and ``reverse_heldout.jsonl`` (disjoint) into ``out_dir``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     train, heldout = reverse_rows(seed)
-    paths = []
-    for name, rows in ((TRAIN_FILE, train), (HELDOUT_FILE, heldout)):
-        path = out / name
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        paths.append(path)
-    return paths
+    return [write_jsonl(out / TRAIN_FILE, train), write_jsonl(out / HELDOUT_FILE, heldout)]

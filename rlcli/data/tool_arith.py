@@ -9,9 +9,10 @@ from one seeded generator and never share an operand pair, so evaluation is on u
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
+
+from rlcli.fsutil import write_jsonl
 
 TRAIN_FILE, TEST_FILE = "tool_arith_train.jsonl", "tool_arith_test.jsonl"
 
@@ -44,13 +45,7 @@ def tool_arith_rows(n: int, seed: int = 0, min_digits: int = 2, max_digits: int 
 def write_tool_arith(out_dir: str | Path, train: int = 1000, test: int = 200, seed: int = 0) -> list[Path]:
     """Write ``tool_arith_train.jsonl`` and ``tool_arith_test.jsonl`` (disjoint) into ``out_dir``."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     train_rows = tool_arith_rows(train, seed)
     pairs = {tuple(int(x) for x in r["prompt"].split("*")) for r in train_rows}
     test_rows = tool_arith_rows(test, seed + 1, exclude=pairs)
-    paths = []
-    for name, rows in ((TRAIN_FILE, train_rows), (TEST_FILE, test_rows)):
-        path = out / name
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        paths.append(path)
-    return paths
+    return [write_jsonl(out / TRAIN_FILE, train_rows), write_jsonl(out / TEST_FILE, test_rows)]

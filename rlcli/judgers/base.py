@@ -35,3 +35,11 @@ class Judger(Component):
 
     def judge(self, response: str, label: Any, sample: Sample) -> float | dict[str, Any]:
         raise NotImplementedError
+
+
+def require_label(label: Any, *, allow_blank: bool = True) -> str:
+    """``label`` as text; a missing label (or, with ``allow_blank=False``, a blank one) raises, so
+    that the sample is FAILED with a message saying what it lacks."""
+    if label is None or (not allow_blank and not str(label).strip()):
+        raise ValueError("sample has no label (reward_model.ground_truth) to compare with")
+    return str(label)

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.base import Judger, JudgerConfig, require_label
 from rlcli.types import Sample
 
 
@@ -32,9 +32,7 @@ class CharMatchJudger(Judger):
     config: CharMatchConfig
 
     def judge(self, response: str, label: Any, sample: Sample) -> dict[str, Any]:
-        if label is None:
-            raise ValueError("sample has no label (reward_model.ground_truth) to compare with")
-        text, gold = response or "", str(label)
+        text, gold = response or "", require_label(label)
         if self.config.strip:
             text, gold = text.strip(), gold.strip()
         longest = max(len(text), len(gold))

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.base import Judger, JudgerConfig, require_label
 from rlcli.types import Sample
 
 # A plain decimal (optionally signed, with an optional decimal point) or an integer ratio "a/b".
@@ -91,8 +91,7 @@ class ExactMatchJudger(Judger):
     config: ExactMatchConfig
 
     def judge(self, response: str, label: Any, sample: Sample) -> dict[str, Any]:
-        if label is None:
-            raise ValueError("sample has no label (reward_model.ground_truth) to compare with")
+        require_label(label)
         cfg = self.config
         text = (response or "").strip()
         if cfg.first_word_only:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.base import Judger, JudgerConfig, require_label
 from rlcli.judgers.exact_match import canonical_number, parse_number
 from rlcli.types import Sample
 
@@ -59,8 +59,7 @@ class GSM8KJudger(Judger):
     config: GSM8KConfig
 
     def judge(self, response: str, label: Any, sample: Sample) -> dict[str, Any]:
-        if label is None or (isinstance(label, str) and not label.strip()):
-            raise ValueError("sample has no label (reward_model.ground_truth) to compare with")
+        require_label(label, allow_blank=not isinstance(label, str))
         pred = extract_answer(response or "", self.config.search_last_chars)
         if pred is None:
             return {"score": 0.0, "acc": False, "pred": None}

@@ -4,9 +4,7 @@ evaluation, advantages -> training sequences, and the work-dir layout."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import os
 import random
 import statistics
 import time
@@ -21,6 +19,7 @@ from rlcli.backends.base import BackendContext, InferenceBackend
 from rlcli.config import Recipe, TaskConfig, resolved_dict
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device, rank, world_size
+from rlcli.fsutil import write_jsonl
 from rlcli.manager import engine_metrics
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
 from rlcli.plugins import get_registry
@@ -312,15 +311,6 @@ class Evaluator:
     def close(self) -> None:
         for p in self.pools:
             p.close()
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def write_resolved(recipe: Recipe, work_dir: Path) -> None:

@@ -375,9 +375,6 @@ class TrainWorker:
         m.add_loss_metrics(metrics, n_kept)
         if step.old is None:
             m.add_sum("entropy", ent.sum(), mb.num_labels)
-        has = mb.has_rollout_logprobs
-        diff = torch.where(has, (old_logp.detach() - mb.rollout_logprobs).abs(), 0.0)
-        m.add_sum("rollout_logprob_diff", diff.sum(), has.sum())
         return loss.detach()
 
     def _optimizer_step(self, step: _Step, j: int, local_loss: torch.Tensor) -> None:
@@ -419,7 +416,8 @@ class TrainWorker:
         red = step.metrics.reduce(self.world_size, self.group)
         out = finalize_metrics({(name if "/" in name else f"train/{name}"): value for name, value in red.items()})
         out.setdefault("train/entropy", 0.0)
-        out.setdefault("train/rollout_logprob_diff", 0.0)
+        # the older name of mismatch/logprob_abs_diff (computed once, by the rollout correction)
+        out["train/rollout_logprob_diff"] = out.get("mismatch/logprob_abs_diff", 0.0)
         for name in ("clipfrac", "kl_k3"):
             out.setdefault(f"train/{name}", 0.0)
         for name in ("ratio_max", "ratio_min"):

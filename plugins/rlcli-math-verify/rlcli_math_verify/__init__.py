@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from rlcli import hookimpl
-from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.base import Judger, JudgerConfig, require_label
 from rlcli.types import Sample
 
 __version__ = "0.1.0"
@@ -61,8 +61,7 @@ class MathVerifyJudger(Judger):
     def judge(self, response: str, label: Any, sample: Sample) -> dict[str, Any]:
         from math_verify import parse, verify  # imported lazily: a heavy import, needed only in workers
 
-        if label is None or not str(label).strip():
-            raise ValueError("sample has no label (reward_model.ground_truth) to compare with")
+        require_label(label, allow_blank=False)
         inner = _INNER_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
         gold = parse(_gold_text(label), parsing_timeout=inner)
         if not gold:
