@@ -1,357 +1,39 @@
-"""The engine-independent half of an inference-engine plugin (rlcli-vllm, rlcli-sglang,
-rlcli-lmdeploy, or a third party's): subclass :class:`EngineBackend` and fill in the engine hooks.
-
-:class:`EngineBackend` implements the parts of the :mod:`rlcli.backends.base` contract that do not
-depend on the engine, once for all engines:
-
-* **One engine thread.** The engine lives on a daemon thread that runs its own asyncio event loop
-  (:class:`EngineLoop`). ``generate`` hands each request to that loop and awaits the result from the
-  caller's loop, so the caller's loop never blocks on the engine and the engine's own asyncio
-  machinery (SGLang's tokenizer manager, LMDeploy's request manager) sees one loop for its whole
-  life, whatever loops its callers use (the conformance kit starts a new loop per check). The
-  synchronous control calls (``pause``, ``update_weights``, ``sleep``, ``wake_up``, ``shutdown``)
-  run as coroutines on that loop and block the calling thread until they are done.
-* **Pause.** ``pause()`` asks the engine to abort every in-flight request (engines return the
-  tokens generated so far; :class:`Job` accumulates them as they stream in) and makes later
-  requests return ``"abort"`` at once with no tokens until ``resume()``.
-* **Gate.** While the backend is asleep or loading weights, new requests wait before reaching
-  the engine; they are admitted (and stamped with the policy version) when the gate opens.
-* **Weight updates drain.** ``update_weights`` closes the gate, waits until no request is in
-  flight (requests aborted by ``pause()`` end at once; others run to completion on the old
-  weights), loads the tensors, sets the version and reopens the gate. So every token of a
-  response comes from the weights of one policy version - the version stamped when the request
-  was admitted - whatever the engine, and engines never have to swap weights under a running
-  batch. Callers that do not want to wait call ``pause()`` first (as rlcli's runners do).
-* **Checks before the engine.** Prompt validation (empty, ids outside the vocabulary, too long)
-  and update validation (unknown names, wrong shapes: ``ValueError`` before anything changes)
-  happen here, against the model's Hugging Face config and a meta-device instance of it.
-
-An engine plugin subclasses :class:`EngineBackend` and implements the ``_engine_*`` hooks, which
-always run on the engine loop.
-"""
+"""The backend: :class:`EngineBackend`, the contract's state machine around the ``_engine_*``
+hooks (see :mod:`rlcli.backends.engine_runtime`), and :class:`Job`, one request on its way
+through an engine."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 import contextlib
-import importlib.metadata
-import importlib.util
 import itertools
 import logging
 import math
-import numbers
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, ClassVar, Coroutine, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import torch
 
 from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest, InferenceBackend
+from rlcli.backends.engine_runtime.helpers import (
+    SeedSequence,
+    normalize_finish,
+    prepare_weight_update,
+    response_budget,
+    stop_ids_for,
+    validate_request,
+)
+from rlcli.backends.engine_runtime.loop import EngineLoop
+from rlcli.backends.engine_runtime.model_info import read_model_info
+from rlcli.backends.engine_runtime.package import EnginePackage, managed_kwarg_issues
 from rlcli.types import SampleParams
 
-log = logging.getLogger(__name__)
-
-_M64 = 0xFFFFFFFFFFFFFFFF
-_SEED_MASK = 0x7FFFFFFFFFFFFFFF  # engines take seeds as signed 64-bit integers
+log = logging.getLogger(__package__)  # "rlcli.backends.engine_runtime", as before the split
 
 
-# ------------------------------------------------------------------------------------------
-# Engine package status (for check_config and `rlcli plugins`)
-# ------------------------------------------------------------------------------------------
-def managed_kwarg_issues(extra: Any, managed: dict[str, str]) -> list[tuple[str, str]]:
-    """``engine_kwargs`` keys that the plugin sets itself (the user may not override them)."""
-    return [("engine_kwargs", f"{key!r} is set by the plugin ({managed[key]})") for key in extra if key in managed]
-
-
-@dataclass(frozen=True)
-class EnginePackage:
-    """The engine a plugin drives: its distribution, import name, tested version and install line."""
-
-    label: str  # "vLLM"
-    distribution: str  # "vllm"
-    module: str  # "vllm"
-    tested: str  # "0.26.0": the version this plugin release was written and checked against
-    minimum: str  # oldest version whose API the plugin supports
-    plugin: str  # "rlcli-vllm"
-
-    @property
-    def install_line(self) -> str:
-        return f'pip install "{self.plugin}[engine]"'
-
-    def installed_version(self) -> str | None:
-        """The installed engine version, or None when the package is missing (nothing is imported)."""
-        if importlib.util.find_spec(self.module) is None:
-            return None
-        try:
-            return importlib.metadata.version(self.distribution)
-        except importlib.metadata.PackageNotFoundError:
-            return "unknown"
-
-    def problem(self) -> str | None:
-        """Why this engine cannot be used here (with the exact install line), or None."""
-        version = self.installed_version()
-        hint = (
-            f"install it with: {self.install_line}  (that is {self.distribution}=={self.tested}, on a CUDA machine "
-            f"whose torch matches it)"
-        )
-        if version is None:
-            return f"the {self.label} engine is not installed (the '{self.module}' package cannot be imported); {hint}"
-        if version != "unknown" and _version_tuple(version) < _version_tuple(self.minimum):
-            return (
-                f"{self.distribution} {version} is older than {self.minimum}, the oldest {self.plugin} "
-                f"supports; {hint}"
-            )
-        return None
-
-    def describe(self) -> str:
-        """One line for ``rlcli plugins``: which engine version is installed."""
-        version = self.installed_version()
-        if version is None:
-            return f"{self.distribution} not installed: {self.install_line}"
-        note = "" if version == self.tested else f", tested with {self.tested}"
-        return f"{self.distribution} {version}{note}"
-
-
-def _version_tuple(version: str) -> tuple:
-    from packaging.version import InvalidVersion, Version
-
-    try:
-        return Version(version).release
-    except InvalidVersion:
-        return ()
-
-
-# ------------------------------------------------------------------------------------------
-# Model facts read from the Hugging Face directory (no weights loaded)
-# ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the backend needs to know about a Hugging Face model to check requests and updates."""
-
-    model_type: str
-    vocab_size: int
-    max_position_embeddings: int | None
-    shapes: dict[str, tuple[int, ...]]  # state_dict name -> shape (tied aliases included)
-    aliases: dict[str, str] = field(default_factory=dict)  # tied alias -> canonical name
-
-    @property
-    def tied(self) -> bool:
-        return bool(self.aliases)
-
-
-def read_model_info(model_dir: str | Path) -> ModelInfo:
-    """Names and shapes of a model's ``state_dict`` from a meta-device instance of its config."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.from_pretrained(str(model_dir))
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
-    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    groups: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(name)
-    aliases = {alias: names[0] for names in groups.values() for alias in names[1:]}
-    max_pos = getattr(text, "max_position_embeddings", None)
-    return ModelInfo(
-        model_type=str(getattr(cfg, "model_type", "")),
-        vocab_size=int(text.vocab_size),
-        max_position_embeddings=int(max_pos) if max_pos else None,
-        shapes=shapes,
-        aliases=aliases,
-    )
-
-
-# ------------------------------------------------------------------------------------------
-# Pure helpers (unit-tested without any engine)
-# ------------------------------------------------------------------------------------------
-def stop_ids_for(params: SampleParams, eos_token_ids: Iterable[int]) -> list[int]:
-    """Token ids that end a response: the EOS ids (unless ``ignore_eos``) and ``stop_token_ids``,
-    deduplicated in order."""
-    out: list[int] = []
-    for t in ([] if params.ignore_eos else list(eos_token_ids)) + list(params.stop_token_ids):
-        if int(t) not in out:
-            out.append(int(t))
-    return out
-
-
-def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: int | None) -> str | None:
-    """Why ``request`` cannot be served (the ``error`` message), or None."""
-    prompt = request.prompt_ids
-    if not isinstance(request.params, SampleParams):
-        return f"params must be a SampleParams, got {type(request.params).__name__}"
-    if len(prompt) == 0:
-        return "empty prompt: at least one prompt token is required"
-    if max_model_len is not None and len(prompt) >= max_model_len:
-        return (
-            f"prompt has {len(prompt)} tokens but max_model_len is {max_model_len}; "
-            f"the prompt must leave room for at least one generated token"
-        )
-    bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
-    if bad:
-        return f"prompt token ids out of range [0, {vocab_size}): {bad[:8]}"
-    return None
-
-
-def response_budget(params: SampleParams, prompt_len: int, max_model_len: int | None) -> int:
-    """Tokens the response may have: ``max_tokens``, cut to what the context leaves."""
-    if max_model_len is None:
-        return params.max_tokens
-    return max(0, min(params.max_tokens, max_model_len - prompt_len))
-
-
-def prepare_weight_update(
-    named_tensors: Iterable[tuple[str, Any]], info: ModelInfo
-) -> list[tuple[str, torch.Tensor]]:
-    """Check Hugging Face-named tensors against the model and map tied aliases to one name.
-
-    Raises ``ValueError`` naming every unknown name and every shape mismatch (before anything is
-    loaded). A tied alias (``lm_head.weight`` of a model with tied embeddings) becomes its canonical
-    name (``model.embed_tokens.weight``) unless the canonical tensor is in the same call, in which
-    case the alias is dropped: engines load tied weights under the canonical name only.
-    """
-    items = list(named_tensors)
-    not_tensors = [str(name) for name, t in items if not isinstance(t, torch.Tensor)]
-    if not_tensors:
-        raise ValueError(f"update_weights: not tensors: {', '.join(not_tensors)}")
-    unknown = [name for name, _ in items if name not in info.shapes]
-    if unknown:
-        sample = ", ".join(sorted(info.shapes)[:3])
-        raise ValueError(
-            f"update_weights: {len(unknown)} unknown tensor name(s): {', '.join(unknown)} "
-            f"(expected Hugging Face state_dict names such as {sample}, ...)"
-        )
-    bad = [
-        f"{name} {tuple(t.shape)} (model has {info.shapes[name]})"
-        for name, t in items
-        if tuple(t.shape) != info.shapes[name]
-    ]
-    if bad:
-        raise ValueError(f"update_weights: shape mismatch for {', '.join(bad)}")
-    present = {name for name, _ in items}
-    out: list[tuple[str, torch.Tensor]] = []
-    for name, tensor in items:
-        canonical = info.aliases.get(name)
-        if canonical is not None:
-            if canonical in present:
-                continue
-            name = canonical
-        out.append((name, tensor))
-    return out
-
-
-def normalize_finish(reason: str | None, error: str | None, aborted: bool) -> tuple[str, str | None]:
-    """The contract's finish reason for an engine's one.
-
-    "stop" / "length" pass through. "abort" stays "abort" only when the plugin asked for it
-    (pause, sleep, shutdown, a cancelled caller); an abort the engine decided on its own (out of
-    memory, rejected input) is an "error" with the engine's message.
-    """
-    if reason in ("stop", "length"):
-        return reason, None
-    if reason == "abort":
-        if aborted:
-            return "abort", None
-        return "error", error or "the engine aborted the request"
-    return "error", error or f"the engine ended the request with finish reason {reason!r}"
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-class SeedSequence:
-    """Seeds for requests that carry none: distinct per run seed and rank, reproducible."""
-
-    def __init__(self, seed: int, rank: int = 0):
-        self._base = _splitmix64(((int(seed) & 0xFFFFFFFFFFF) << 20) ^ (int(rank) & 0xFFFFF))
-        self._n = 0
-
-    def __call__(self, requested: int | None) -> int:
-        if requested is not None:
-            return int(requested) & _SEED_MASK
-        self._n += 1
-        return _splitmix64(self._base + self._n) & _SEED_MASK
-
-
-# ------------------------------------------------------------------------------------------
-# The engine thread
-# ------------------------------------------------------------------------------------------
-class EngineLoop:
-    """A daemon thread running its own asyncio event loop."""
-
-    def __init__(self, name: str):
-        self.name = name
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._started = threading.Event()
-
-    def start(self) -> None:
-        self._thread.start()
-        self._started.wait()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._started.set)
-        try:
-            self.loop.run_forever()
-        finally:
-            try:
-                pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
-                for t in pending:
-                    t.cancel()
-                if pending:
-                    self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            except Exception:  # never let teardown raise in a daemon thread
-                log.debug("engine loop teardown", exc_info=True)
-            finally:
-                self.loop.close()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self.loop.is_closed()
-
-    def in_thread(self) -> bool:
-        return threading.current_thread() is self._thread
-
-    def submit(self, coro: Coroutine) -> concurrent.futures.Future:
-        """Schedule ``coro`` on the engine loop; the returned future is thread-safe."""
-        if not self.alive:
-            coro.close()
-            raise RuntimeError(f"the {self.name} engine thread has stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Coroutine, timeout: float | None = None) -> Any:
-        """Run ``coro`` on the engine loop and wait for its result (from any other thread)."""
-        if self.in_thread():
-            coro.close()
-            raise RuntimeError("a blocking engine call was made from the engine thread itself (it would deadlock)")
-        fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"the {self.name} engine did not answer within {timeout} s") from None
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if not self.alive:
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        if not self.in_thread():
-            self._thread.join(timeout)
-
-
-# ------------------------------------------------------------------------------------------
-# The backend
-# ------------------------------------------------------------------------------------------
 @dataclass
 class Job:
     """One request on its way through an engine; the engine hook appends tokens as they arrive."""
