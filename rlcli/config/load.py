@@ -1,0 +1,117 @@
+"""The entry points: read the YAML, apply overrides, validate and resolve; the resolved dict."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from rlcli.config.issues import Issue, RecipeError
+from rlcli.config.resolve import _issue_from_pydantic, _resolve_component
+from rlcli.config.rules import _check_rules
+from rlcli.config.sections import Recipe
+from rlcli.config.spec import ComponentSpec
+from rlcli.config.tree import _walk_raw
+from rlcli.overrides import OverrideError, apply_overrides
+from rlcli.plugins import Registry, get_registry
+
+
+def validate_recipe(raw: Any, registry: Registry | None = None, source: str | None = None,
+                    base_dir: str | Path | None = None) -> Recipe:
+    """Validate and resolve raw recipe data; raise :class:`RecipeError` listing every problem.
+
+    ``base_dir`` (default: the folder of ``source``) is where relative data paths also resolve.
+    """
+    from rlcli.data.sampler import RECIPE_DIR
+
+    registry = registry or get_registry()
+    if base_dir is None and source is not None:
+        base_dir = Path(source).resolve().parent
+    if base_dir is not None:
+        RECIPE_DIR.set(Path(base_dir))
+    if not isinstance(raw, dict):
+        raise RecipeError([Issue("", f"a recipe must be a YAML mapping, got {type(raw).__name__}")], source)
+    issues: list[Issue] = []
+    recipe: Recipe | None = None
+    try:
+        recipe = Recipe.model_validate(raw)
+    except ValidationError as exc:
+        for err in exc.errors():
+            issues.append(_issue_from_pydantic(Recipe, err))
+    _check_rules(raw, issues)
+
+    found: list = []
+    if recipe is not None:
+        for path, kind, spec in recipe.components():
+            found.append((tuple(int(p) if p.isdigit() else p for p in path.split(".")), kind, spec))
+    else:
+        _walk_raw(Recipe, raw, (), found)
+    for path, kind, spec in found:
+        resolved = _resolve_component(registry, path, kind, spec, issues)
+        if resolved is not None and isinstance(spec, ComponentSpec):
+            spec._cls, spec._cfg = resolved
+
+    if recipe is not None:
+        for check in _recipe_checks(registry):
+            for path, msg in check(recipe) or []:
+                issues.append(Issue(path, msg))
+    # de-duplicate while keeping order
+    uniq = list(dict.fromkeys(issues))
+    if uniq:
+        raise RecipeError(uniq, source)
+    assert recipe is not None
+    recipe._registry = registry
+    if source is not None:
+        recipe._source = Path(source)
+    return recipe
+
+
+def _recipe_checks(registry: Registry) -> list:
+    """Whole-recipe checks a component class declares with ``check_recipe(recipe) -> [(path, msg)]``."""
+    checks = []
+    seen = set()
+    for table in registry.entries.values():
+        for entry in table.values():
+            fn = getattr(entry.cls, "check_recipe", None)
+            if fn is not None and id(fn) not in seen:
+                seen.add(id(fn))
+                checks.append(fn)
+    return checks
+
+
+def read_yaml(path: str | Path) -> Any:
+    p = Path(path)
+    if not p.exists():
+        raise RecipeError([Issue("", f"recipe file not found: {p}")], str(p))
+    try:
+        return yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise RecipeError([Issue("", f"invalid YAML: {where}{getattr(exc, 'problem', exc)}")], str(p)) from None
+
+
+def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), registry: Registry | None = None) -> Recipe:
+    """Load a recipe file, apply ``key=value`` / ``~key`` overrides, validate and resolve it."""
+    raw = read_yaml(path)
+    try:
+        raw = apply_overrides(raw, list(overrides))
+    except OverrideError as exc:
+        raise RecipeError([Issue(exc.path, exc.message)], str(path)) from None
+    recipe = validate_recipe(raw, registry, source=str(path))
+    recipe._source = Path(path)
+    return recipe
+
+
+def resolved_dict(recipe: Recipe) -> dict:
+    """The recipe with every default and every component option filled in (for resolved.yaml)."""
+    data = recipe.model_dump(mode="json")
+    for path, _kind, spec in recipe.components():
+        cur: Any = data
+        parts = [int(p) if p.isdigit() else p for p in path.split(".")]
+        for p in parts[:-1]:
+            cur = cur[p]
+        cur[parts[-1]] = {"name": spec.name, **spec.cfg.model_dump(mode="json")}
+    return data
