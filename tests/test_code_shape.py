@@ -18,7 +18,6 @@ MAX_FUNCTION_LINES = 80
 
 # path -> lines when the check came in
 OVER_FILE: dict[str, int] = {
-    "rlcli/runner/disaggregated.py": 706,
     "rlcli/testing/backend_conformance.py": 1036,
 }
 
