@@ -50,6 +50,7 @@ wheels of ``trl==1.16.0 datasets pydantic`` (+ ``vllm==0.26.0``) first: ../share
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.metadata as md
 import json
@@ -178,9 +179,9 @@ def rlcli_child(spec: dict) -> None:
         if "eval/accuracy" in row:
             print(f"[eval] step {step} acc {row['eval/accuracy']:.3f} train {train_s:.1f}s", flush=True)
         out_of_time = train_s >= spec["max_seconds"] or time.time() - t0 >= spec["wall_budget"] - spec["stop_reserve"]
-        if step >= 1 and out_of_time and runner.total_steps > step + 1:
+        if step >= 1 and out_of_time and runner.schedule.total_steps > step + 1:
             print(f"[stop] time bound reached at step {step}: step {step + 1} is the last", flush=True)
-            runner.total_steps = step + 1
+            runner.schedule = dataclasses.replace(runner.schedule, total_steps=step + 1)
         return row
 
     runner.log = log

@@ -78,7 +78,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     rec = _load(recipe, overrides)
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
-    from rlcli.runner.common import WorkDirInUse
+    from rlcli.runner.setup import WorkDirInUse
 
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     disaggregated = rec.trainer.mode == "disaggregated"

@@ -160,7 +160,7 @@ def test_compute_groups_equals_compute_per_group(name, options):
 
 def test_sequences_from_groups_uses_an_estimator_without_compute_groups():
     """A duck-typed estimator with only ``compute`` (not derived from the base class) still works."""
-    from rlcli.runner.common import sequences_from_groups
+    from rlcli.runner.sequences import sequences_from_groups
     from rlcli.types import Group, Sample, Status
 
     class Centered:

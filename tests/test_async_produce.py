@@ -239,14 +239,12 @@ def test_model_expiry_bound():
 
 
 def test_colocate_model_step_sequence():
-    # behaviour 9: the runner's model_step
-    from types import SimpleNamespace
-
-    from rlcli.runner.colocate import ColocateRunner
+    # behaviour 9: the runner's model_step (the colocated runner asks its Schedule)
+    from rlcli.runner.schedule import Schedule
 
     def seq(interval, n):
-        fake = SimpleNamespace(cfg=SimpleNamespace(sync_weights_interval=interval))
-        return [ColocateRunner.model_step(fake, s) for s in range(1, n + 1)]
+        sched = Schedule(total_steps=n, sync_interval=interval)
+        return [sched.model_step(s) for s in range(1, n + 1)]
 
     assert seq(2, 3) == [0, 0, 2]
     assert seq(3, 7) == [0, 0, 0, 3, 3, 3, 6]

@@ -185,7 +185,7 @@ class _ScriptedRollout:
 
 def test_empty_expired_answer_syncs_the_previous_version_and_asks_that_rank_again():
     # behaviour 31 with two rollout ranks: rank 0 must wait for newer weights, rank 1 already answered
-    from rlcli.runner.common import Timer
+    from rlcli.runner.records import Timer
     from rlcli.runner.disaggregated import TrainSide
     from rlcli.types import Group
 

@@ -207,7 +207,7 @@ def test_three_turn_episode_is_the_exact_concatenation_of_model_and_tool_tokens(
 
     other = copy.deepcopy(sample)
     other.uid, other.reward = 1, {"score": 0.0}
-    seqs, _ = __import__("rlcli.runner.common", fromlist=["x"]).sequences_from_groups(
+    seqs, _ = __import__("rlcli.runner.sequences", fromlist=["x"]).sequences_from_groups(
         [Group(0, "t", [sample, other])], GRPOAdvantage(GRPOAdvantage.Config()))
     seq = seqs[0]
     assert seq.prompt_ids == sample.prompt_ids and seq.response_ids == sample.response_ids

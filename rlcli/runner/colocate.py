@@ -19,12 +19,18 @@ from rlcli.config import Recipe
 from rlcli.dist import barrier, init_distributed
 from rlcli.manager import RolloutManager
 from rlcli.models import resolve_device
+from rlcli.fsutil import write_jsonl
+from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.ranks import gather_to_main, merge_metrics
-from rlcli.runner.common import (
-    Environment, Evaluator, Timer, best_and_worst, build_tasks, build_trackers, default_work_dir, dump_rollout_groups,
-    freeze_heap, log_to_trackers, mean, prepare_work_dir, prune_step_dirs, sample_row, seed_everything,
-    sequences_from_groups, thaw_heap,
-    setup_logging, step_summary, total_train_steps, write_jsonl, write_resolved,
+from rlcli.runner.records import (
+    Timer, best_and_worst, build_trackers, dump_rollout_groups, log_to_trackers, mean, prune_step_dirs, sample_row,
+    step_summary,
+)
+from rlcli.runner.schedule import Schedule, share, total_train_steps
+from rlcli.runner.sequences import sequences_from_groups
+from rlcli.runner.setup import (
+    Environment, build_tasks, default_work_dir, freeze_heap, prepare_work_dir, seed_everything, setup_logging,
+    thaw_heap, write_resolved,
 )
 
 log = logging.getLogger("rlcli")
@@ -41,7 +47,6 @@ class ColocateRunner:
     def __init__(self, recipe: Recipe, work_dir: str | Path | None = None, *, quiet: bool = False,
                  overwrite: bool = False):
         from rlcli.train.checkpoint import latest_checkpoint
-        from rlcli.train.worker import TrainWorker
 
         self.recipe, self.cfg = recipe, recipe.trainer
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
@@ -57,21 +62,19 @@ class ColocateRunner:
             ckpt = latest_checkpoint(self.work_dir / "checkpoints")
         seed_everything(self.cfg.seed + rank)
         self.env = env = Environment(recipe, self.work_dir)
-        self.local_batch = self.cfg.train_batch_size // world + (rank < self.cfg.train_batch_size % world)
+        self.schedule = Schedule.of(recipe, total_train_steps(recipe, env.tokenizer))
+        self.local_batch = share(self.cfg.train_batch_size, rank, world)  # this rank's groups of every step
         if self.local_batch == 0:
             raise ValueError(f"trainer.train_batch_size={self.cfg.train_batch_size} is smaller than the "
                              f"number of ranks ({world}); every rank needs at least one group")
         self.timer = Timer()
         self.trackers = build_trackers(recipe, self.work_dir) if self.main else []
-        self.total_steps = total_train_steps(recipe, env.tokenizer)
-        self.worker = TrainWorker(env.model_dir, recipe.model, recipe.train_worker,
-                                  recipe.train_worker.loss.build(), device=env.device, dtype=env.dtype,
-                                  seed=self.cfg.seed, total_steps=self.total_steps)
+        self.worker = env.build_train_worker(self.schedule.total_steps)
         self.estimator = recipe.advantage.build()
         self.backend = env.build_backend()
         tasks, pools = build_tasks(env, recipe.tasks, self.backend, salt="train")
         self.manager = RolloutManager(tasks, recipe.replay_buffer.build(), self.backend, pools)
-        self.evaluator = Evaluator(env, self.backend) if self.cfg.enable_evaluate else None
+        self.evaluator = Evaluator(env, self.backend) if self.schedule.evaluate else None
         self.loop = asyncio.new_event_loop()
         self.step = 0
         if ckpt is not None:
@@ -91,16 +94,17 @@ class ColocateRunner:
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         last: dict[str, float] = {}
-        if self.evaluator and self.cfg.enable_initial_evaluate and self.step == 0:
+        if self.schedule.initial_eval_due(self.step):
             last = self.evaluate(0)
             self.log(0, last)
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", disable=self.quiet,
-                   dynamic_ncols=True)
-        while self.step < self.total_steps:
+        bar = tqdm(total=self.schedule.total_steps, initial=self.step, desc="train", unit="step",
+                   disable=self.quiet, dynamic_ncols=True)
+        while self.step < self.schedule.total_steps:
             step, t0 = self.step + 1, time.perf_counter()
+            policy = self.schedule.model_step(step)  # the weights the backend serves for this step
             with self.timer("rollout"), self.bar(f"rollout {step}", self.local_batch, "group") as tick:
                 # sampler -> agent loop -> backend -> judger -> produce strategy -> replay buffer
-                batch = self.run(self.manager.produce_batch(self.local_batch, step, self.model_step(step), tick))
+                batch = self.run(self.manager.produce_batch(self.local_batch, step, policy, tick))
             rollout_peak = self.peak_memory_gib()
             self.backend.sleep()  # colocated: give the KV cache back for training
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
@@ -111,27 +115,22 @@ class ColocateRunner:
                 metrics["memory/rollout_peak_gib"] = rollout_peak
                 metrics["memory/train_peak_gib"] = self.peak_memory_gib()
             self.step = step
-            synced = step % self.cfg.sync_weights_interval == 0 or step == self.total_steps
-            if synced:
+            if self.schedule.sync_due(step):
                 with self.timer("sync"):
                     self.sync_weights(version=step)
             self.backend.wake_up()
-            if self.evaluator and synced and (step % self.cfg.evaluate_step == 0 or step == self.total_steps):
+            if self.schedule.eval_due(step):
                 metrics.update(self.evaluate(step))
             metrics["timing/step_s"] = time.perf_counter() - t0
             self.dump_rollouts(step, batch.groups)
             last = self.log(step, metrics, batch.groups)
-            self.maybe_save(step, synced)  # after the step's row is logged: a resume never loses it
+            self.maybe_save(step)  # after the step's row is logged: a resume never loses it
             bar.update(1)
             bar.set_postfix_str(self.summary(last), refresh=False)
         bar.close()
         return last
 
     # ------------------------------------------------------------------------------- phases
-    def model_step(self, step: int) -> int:
-        """The policy version rolling out step ``step``: the last sync at or before step - 1."""
-        return (step - 1) - ((step - 1) % self.cfg.sync_weights_interval)
-
     def run(self, coro):
         return self.loop.run_until_complete(coro)
 
@@ -185,17 +184,15 @@ class ColocateRunner:
             return
         dump_rollout_groups(self.work_dir, step, [g for part in gathered for g in part], n)
 
-    def maybe_save(self, step: int, synced: bool) -> None:
-        cfg = self.cfg
-        if synced and cfg.checkpoint_interval and cfg.checkpoint_interval > 0 and step % cfg.checkpoint_interval == 0:
+    def maybe_save(self, step: int) -> None:
+        if self.schedule.checkpoint_due(step):
             with self.timer("checkpoint"):
                 self.save_checkpoint(step)
-        due = cfg.hf_interval is not None and cfg.hf_interval > 0 and step % cfg.hf_interval == 0
-        if due or step == self.total_steps:
+        if self.schedule.hf_export_due(step):
             with self.timer("hf_export"):
                 self.worker.save_hf(self.work_dir / "hf" / f"step-{step}", self.env.tokenizer)
                 if self.main:
-                    prune_step_dirs(self.work_dir / "hf", cfg.hf_maxkeep)
+                    prune_step_dirs(self.work_dir / "hf", self.cfg.hf_maxkeep)
 
     def save_checkpoint(self, step: int) -> None:
         """Collective: DCP shards from every rank, each rank's rollout state gathered into rank 0's file."""
@@ -236,7 +233,7 @@ class ColocateRunner:
         metrics = {**merge_metrics(gathered), "time": time.time()}
         log_to_trackers(self.trackers, step, metrics, groups, self.cfg.log_samples_per_step)
         if step % self.cfg.log_every == 0 and not self.quiet:
-            tqdm.write(f"step {step}/{self.total_steps} {self.summary(metrics)}")
+            tqdm.write(f"step {step}/{self.schedule.total_steps} {self.summary(metrics)}")
         return metrics
 
     @staticmethod

@@ -7,7 +7,10 @@ import os
 from pathlib import Path
 
 from rlcli.config import Recipe
-from rlcli.runner.common import Environment, Evaluator, default_work_dir, sample_row, setup_logging, write_jsonl
+from rlcli.fsutil import write_jsonl
+from rlcli.runner.evaluation import Evaluator
+from rlcli.runner.records import sample_row
+from rlcli.runner.setup import Environment, default_work_dir, setup_logging
 
 
 def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tuple[dict[str, float], Path]:
@@ -24,10 +27,7 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
     env = Environment(recipe, work_dir)
     backend = env.build_backend()
     if ckpt is not None and not is_hf:
-        from rlcli.train.worker import TrainWorker
-
-        worker = TrainWorker(env.model_dir, recipe.model, recipe.train_worker, recipe.train_worker.loss.build(),
-                             device=env.device, dtype=env.dtype, seed=recipe.trainer.seed, total_steps=1)
+        worker = env.build_train_worker(total_steps=1)
         extra = worker.load_checkpoint(ckpt, weights_only=True)
         for bucket in worker.iter_weights():
             backend.update_weights(bucket, int(extra.get("step", 0)))

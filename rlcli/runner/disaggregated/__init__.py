@@ -49,7 +49,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlcli.config import Recipe
-from rlcli.runner.common import freeze_heap, thaw_heap
+from rlcli.runner.setup import freeze_heap, thaw_heap
 from rlcli.runner.disaggregated.boot import _boot, _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _checkpoint_dir, _RolloutStub, _save_collective
 from rlcli.runner.disaggregated.protocol import _EXPIRED, _report, _RolloutClient

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlcli.manager import RolloutManager
-from rlcli.runner.common import Evaluator, build_tasks
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _RolloutStub, _save_collective
 from rlcli.runner.disaggregated.protocol import _report
+from rlcli.runner.evaluation import Evaluator
+from rlcli.runner.schedule import share
+from rlcli.runner.setup import build_tasks
 from rlcli.runner.transport import RemoteFailure, receive_weights, recv, send
 
 
@@ -41,8 +43,7 @@ class RolloutSide:
         self.index = self.placement.rollout.index(boot.rank)
         n = len(self.placement.rollout)
         shard = (self.index, n)
-        bs = self.cfg.train_batch_size
-        self.share = bs // n + (self.index < bs % n)  # this rank's groups of every step
+        self.share = share(self.cfg.train_batch_size, self.index, n)  # this rank's groups of every step
         env = boot.env
         self.backend = env.build_backend(shard=shard)
         tasks, pools = build_tasks(env, self.recipe.tasks, self.backend, salt="train", shard=shard)

@@ -15,14 +15,17 @@ from typing import Any
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from rlcli.runner.common import (
-    Timer, build_trackers, dump_rollout_groups, eval_metrics, log_to_trackers, mean, prune_step_dirs, sample_row,
-    sequences_from_groups, step_summary, total_train_steps, write_jsonl,
-)
+from rlcli.fsutil import write_jsonl
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _save_collective
 from rlcli.runner.disaggregated.protocol import _EXPIRED, _report, _RolloutClient
+from rlcli.runner.evaluation import eval_metrics
 from rlcli.runner.ranks import merge_metrics
+from rlcli.runner.records import (
+    Timer, build_trackers, dump_rollout_groups, log_to_trackers, mean, prune_step_dirs, sample_row, step_summary,
+)
+from rlcli.runner.schedule import Schedule, total_train_steps
+from rlcli.runner.sequences import sequences_from_groups
 from rlcli.runner.transport import WeightSender, broadcast
 from rlcli.types import Group
 
@@ -74,8 +77,6 @@ class TrainSide:
     (train on their share, gather weights, save) over the train group."""
 
     def __init__(self, boot: _Boot):
-        from rlcli.train.worker import TrainWorker
-
         self.boot, self.recipe, self.cfg = boot, boot.recipe, boot.recipe.trainer
         self.placement, self.ch = boot.placement, boot.channels
         self.main = boot.rank == self.placement.train0
@@ -83,22 +84,19 @@ class TrainSide:
         self.work_dir = boot.work_dir
         env = boot.env
         self.n_train = len(self.placement.train)
-        self.total_steps = total_train_steps(self.recipe, env.tokenizer)
-        self.worker = TrainWorker(env.model_dir, self.recipe.model, self.recipe.train_worker,
-                                  self.recipe.train_worker.loss.build(), device=env.device, dtype=env.dtype,
-                                  seed=self.cfg.seed, total_steps=self.total_steps, process_group=self.ch.train)
+        self.schedule = Schedule.of(self.recipe, total_train_steps(self.recipe, env.tokenizer))
+        self.worker = env.build_train_worker(self.schedule.total_steps, process_group=self.ch.train)
         self.bucket_bytes = self.cfg.update_weight_bucket_mb * 1024 * 1024
         self.step = 0
         self.timer = Timer()
         self.trackers: list = []
         self.sync_bytes = 0
         self.sync_weights_s = 0.0
-        self.evaluating = bool(self.cfg.enable_evaluate and self.recipe.eval is not None and self.recipe.eval.tasks)
         if self.main:
             self.estimator = self.recipe.advantage.build()
             self.trackers = build_trackers(self.recipe, self.work_dir)
             self.rollout = _RolloutClient(self.ch)
-            if self.evaluating:
+            if self.schedule.evaluate:
                 self.eval_tasks = [t.task_name for t in self.recipe.eval.tasks]
                 self.eval_components = [m.build() for m in self.recipe.eval.evaluator.metrics]
         if boot.checkpoint is not None:
@@ -112,12 +110,11 @@ class TrainSide:
 
     # ---------------------------------------------------------------------- train rank 0
     def _coordinate(self) -> dict[str, float]:
-        cfg, ro, total = self.cfg, self.rollout, self.total_steps
-        interval = cfg.sync_weights_interval
+        sched, ro, total = self.schedule, self.rollout, self.schedule.total_steps
         with self.timer("sync"):  # the replicas serve exactly the trainer's weights (a resume: the saved ones)
             self._push_weights(self.step)
         last: dict[str, float] = {}
-        if self.evaluating and cfg.enable_initial_evaluate and self.step == 0:
+        if sched.initial_eval_due(self.step):
             last = self._log(0, self._evaluate(0))
         ro.continue_(self.step)
         stopped = False
@@ -128,29 +125,27 @@ class TrainSide:
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s), all train ranks
                 metrics = {**batch.metrics, **self._train(batch.groups)}
             self.step = step
-            synced = batch.expired or step % interval == 0 or step == total
+            synced = sched.sync_due(step, expired=batch.expired)
             if synced:
                 with self.timer("sync"):
                     ro.pause()
                     self._push_weights(step)
-                if self.evaluating and (step % cfg.evaluate_step == 0 or step == total):
+                if sched.eval_due(step, expired=batch.expired):
                     metrics.update(self._evaluate(step))  # before production resumes
             metrics["sync/synced"] = float(synced)
-            metrics["sync/early"] = float(synced and batch.expired and step % interval != 0 and step != total)
+            metrics["sync/early"] = float(sched.early_sync(step, expired=batch.expired))
             metrics["timing/step_s"] = time.perf_counter() - t0
             self._record(step, batch.groups)
             last = self._log(step, metrics, batch.groups)
-            if synced and cfg.checkpoint_interval and cfg.checkpoint_interval > 0 \
-                    and step % cfg.checkpoint_interval == 0:
+            if sched.checkpoint_due(step, expired=batch.expired):
                 with self.timer("checkpoint"):  # after the row is logged: a resume never loses it
                     self._save_checkpoint(step)
-            if step == total:
+            if sched.last(step):
                 ro.stop()
                 stopped = True
             elif synced:
                 ro.continue_(step)
-            if (cfg.hf_interval is not None and cfg.hf_interval > 0 and step % cfg.hf_interval == 0) \
-                    or step == total:
+            if sched.hf_export_due(step):
                 with self.timer("hf_export"):  # train ranks only: the rollout ranks produce meanwhile
                     self._export_hf(step)
             bar.update(1)
@@ -261,7 +256,7 @@ class TrainSide:
         row["time"] = time.time()
         log_to_trackers(self.trackers, step, row, groups, self.cfg.log_samples_per_step)
         if step % self.cfg.log_every == 0 and not self.quiet:
-            tqdm.write(f"step {step}/{self.total_steps} {step_summary(row)}")
+            tqdm.write(f"step {step}/{self.schedule.total_steps} {step_summary(row)}")
         return row
 
     # ------------------------------------------------------------------- other train ranks

@@ -1,0 +1,126 @@
+"""A run's records: phase timings, the trackers and the metrics rows handed to them, the console
+line, the sample rows of the rollout and eval dumps (JSONL), and the pruning of old ``step-N``
+directories."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlcli.config import Recipe
+from rlcli.fsutil import write_jsonl
+from rlcli.plugins import get_registry
+from rlcli.types import Group, Sample
+
+log = logging.getLogger("rlcli")
+
+
+class Timer:
+    """Accumulates wall time per phase: ``with timer("train"): ...`` -> ``timing/train_s``."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.record_function(f"rlcli/{name}"):  # a named range in profiler traces
+                yield
+        finally:
+            self.times[name] = self.times.get(name, 0.0) + time.perf_counter() - t0
+
+    def pop(self) -> dict[str, float]:
+        out, self.times = {f"timing/{k}_s": v for k, v in self.times.items()}, {}
+        return out
+
+
+def build_trackers(recipe: Recipe, work_dir: Path) -> list:
+    """The recipe's experiment trackers, plus ``jsonl`` (metrics.jsonl) when it is not listed."""
+    reg = recipe._registry or get_registry()
+    names = [t.name for t in recipe.trainer.exp_tracker]
+    specs = list(recipe.trainer.exp_tracker)
+    if "jsonl" not in names:
+        from rlcli.config import ComponentSpec
+
+        spec = ComponentSpec(name="jsonl")
+        spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
+        specs.append(spec)
+    return [s.build(work_dir=work_dir) for s in specs]
+
+
+def log_to_trackers(trackers: list, step: int, metrics: dict[str, float], groups, samples_per_step: int) -> None:
+    """One row to every tracker (plus a few rollout texts); a tracker that fails is dropped, never fatal."""
+    for t in list(trackers):
+        try:
+            t.log(step, metrics)
+            for g in (groups or [])[:samples_per_step]:
+                s = g.samples[0]
+                t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
+                                            f"\n\n**reward** {s.score}")
+        except Exception as exc:  # a tracker must never stop training: drop it and go on
+            log.warning("tracker %s failed and is disabled: %s", type(t).__name__, exc)
+            trackers.remove(t)
+
+
+def step_summary(m: dict[str, float]) -> str:
+    """The console line of a step: reward, eval accuracy, loss, step time."""
+    parts = [f"reward {m.get('reward/mean', float('nan')):.3f}"]
+    if "eval/accuracy" in m:
+        parts.append(f"eval/acc {m['eval/accuracy']:.3f}")
+    if "train/loss" in m:
+        parts.append(f"loss {m['train/loss']:+.4f}")
+    parts.append(f"{m.get('timing/step_s', 0):.2f}s")
+    return " | ".join(parts)
+
+
+def mean(xs: list[float]) -> float:
+    return statistics.fmean(xs) if xs else 0.0
+
+
+def sample_row(s: Sample) -> dict[str, Any]:
+    from rlcli.agent_loops.multi_turn import episode_stats
+
+    row = {
+        "task_name": s.task_name, "uid": s.uid, "group_id": s.group_id, "data_source": s.data_source,
+        "prompt": s.prompt_text, "response": s.response, "label": s.label,
+        "reward": s.reward.get("score") if s.reward else None, "reward_details": s.reward,
+        "status": s.status.value, "finish_reason": s.finish_reason, "error": s.error,
+        "prompt_tokens": len(s.prompt_ids), "response_tokens": len(s.response_ids), "staleness": s.staleness,
+    }
+    episode = episode_stats(s)
+    if episode is not None:
+        row["tool_turns"], row["tool_calls"] = episode["turns"], episode["tool_calls"]
+    return row
+
+
+def best_and_worst(groups: list[Group], n: int) -> list[Group]:
+    """Half the best and half the worst of ``groups`` by mean reward (``n`` in all)."""
+    ranked = sorted(groups, key=lambda g: mean([s.score for s in g.samples]), reverse=True)
+    return ranked if len(ranked) <= n else ranked[: (n + 1) // 2] + ranked[len(ranked) - n // 2:]
+
+
+def dump_rollout_groups(work_dir: Path, step: int, groups: list[Group], n: int) -> None:
+    """``rollouts/step-N.jsonl``: :func:`best_and_worst` of ``groups``."""
+    if n <= 0:
+        return
+    write_jsonl(work_dir / "rollouts" / f"step-{step}.jsonl",
+                [{"step": step, **sample_row(s)} for g in best_and_worst(groups, n) for s in g.samples])
+
+
+def prune_step_dirs(root: Path, maxkeep: int | None) -> None:
+    """Keep only the newest ``maxkeep`` ``step-N`` directories under ``root`` (None/-1/0: keep all)."""
+    import shutil
+
+    if not maxkeep or maxkeep < 0 or not root.exists():
+        return
+    dirs = sorted((d for d in root.iterdir() if d.is_dir() and d.name.startswith("step-") and d.name[5:].isdigit()),
+                  key=lambda d: int(d.name[5:]))
+    for d in dirs[:-maxkeep]:
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,215 @@
+"""A run's setup, shared by both runners and ``rlcli eval``: the work dir, logging and seeds, the
+:class:`Environment` (device, dtype, model, tokenizer) that builds the inference backend and the
+train worker, the runtime tasks, and the garbage-collector freeze of the start-up heap."""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import yaml
+
+from rlcli.backends.base import BackendContext, InferenceBackend
+from rlcli.config import Recipe, TaskConfig, resolved_dict
+from rlcli.data.sampler import RECIPE_DIR
+from rlcli.dist import barrier, init_distributed, is_main, local_device
+from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
+from rlcli.plugins import get_registry
+from rlcli.produce import Task
+from rlcli.replay_buffer import StalenessRule
+from rlcli.tokenizer import eos_token_ids, load_tokenizer
+
+if TYPE_CHECKING:
+    from rlcli.train.worker import TrainWorker
+
+
+def default_work_dir(recipe: Recipe) -> Path:
+    if recipe.trainer.work_dir:
+        return Path(recipe.trainer.work_dir)
+    stem = recipe._source.stem if recipe._source is not None else "run"
+    return Path("work_dirs") / stem
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def quiet_transformers() -> None:
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()  # our own progress bars only
+
+
+def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
+    quiet_transformers()
+    root = logging.getLogger("rlcli")
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+        h.close()
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    if not quiet:
+        sh = logging.StreamHandler()
+        sh.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        sh.setLevel(logging.WARNING)
+        root.addHandler(sh)
+    if work_dir is not None:
+        work_dir.mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(work_dir / "run.log")
+        fh.setFormatter(fmt)
+        root.addHandler(fh)
+    root.propagate = False
+
+
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
+               "resolved.yaml", "run.log", "trained_groups.jsonl")
+
+
+class WorkDirInUse(RuntimeError):
+    pass
+
+
+def prepare_work_dir(work_dir: Path, *, auto_resume: bool, overwrite: bool) -> Path | None:
+    """Decide between resuming and starting fresh; return the checkpoint to resume from.
+
+    A fresh run never mixes its logs or checkpoints with an earlier run's: it refuses a work dir
+    that holds one unless ``overwrite`` (then the earlier outputs are deleted). With
+    ``auto_resume`` the latest complete checkpoint is used; without one, leftovers of a run
+    that died before its first checkpoint are cleared.
+    """
+    import shutil
+
+    from rlcli.train.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(work_dir / "checkpoints") if auto_resume and not overwrite else None
+    if ckpt is not None:
+        return ckpt
+    present = [n for n in RUN_OUTPUTS if (work_dir / n).exists()]
+    if present and not (overwrite or auto_resume) and {"metrics.jsonl", "checkpoints"} & set(present):
+        raise WorkDirInUse(
+            f"{work_dir} already holds a run ({', '.join(present)}); pass --overwrite to replace it, "
+            f"set trainer.auto_resume=true to continue it, or choose another --work-dir"
+        )
+    for n in present:
+        p = work_dir / n
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return None
+
+
+class Environment:
+    """Device, dtype, model directory and tokenizer of a run."""
+
+    def __init__(self, recipe: Recipe, work_dir: Path):
+        self.recipe, self.work_dir = recipe, work_dir
+        quiet_transformers()
+        if recipe._source is not None:
+            RECIPE_DIR.set(recipe._source.resolve().parent)
+        device = resolve_device(recipe.resources.device)
+        self.rank, self.world_size = init_distributed(device)
+        self.device = local_device(device)
+        if self.device.type == "cpu" and recipe.resources.num_threads:
+            torch.set_num_threads(recipe.resources.num_threads)
+        self.dtype = resolve_dtype(recipe.model.dtype, self.device)
+        self.seed = recipe.trainer.seed
+        if is_main():  # rank 0 materialises a from-scratch model; the others read it
+            self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
+        barrier()
+        if not is_main():
+            self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
+        self.tokenizer = load_tokenizer(tokenizer_source(recipe.model, self.model_dir))
+        self.eos_ids = eos_token_ids(self.tokenizer, self.model_dir)
+        if not self.eos_ids:
+            raise ValueError(f"the tokenizer of {self.model_dir} defines no EOS token")
+
+    def build_backend(self, version: int = 0, shard: tuple[int, int] | None = None) -> InferenceBackend:
+        """The recipe's inference backend; ``shard=(index, replicas)`` when not every rank hosts one."""
+        index, replicas = shard if shard is not None else (self.rank, self.world_size)
+        ctx = BackendContext(
+            model_dir=str(self.model_dir), device=self.device, dtype=self.dtype, eos_token_ids=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id, seed=self.seed, version=version,
+            rank=index, world_size=replicas,
+        )
+        return self.recipe.rollout.build(ctx=ctx)
+
+    def build_train_worker(self, total_steps: int, process_group=None) -> TrainWorker:
+        """The trainer of ``recipe.model`` with ``recipe.train_worker`` (its loss included) on this rank's
+        device; ``total_steps`` sizes the LR schedule, ``process_group`` the FSDP group (default: all ranks)."""
+        from rlcli.train.worker import TrainWorker
+
+        cfg = self.recipe.train_worker
+        return TrainWorker(self.model_dir, self.recipe.model, cfg, cfg.loss.build(), device=self.device,
+                           dtype=self.dtype, seed=self.seed, total_steps=total_steps, process_group=process_group)
+
+
+def build_judge_pool(task_cfg: TaskConfig):
+    from rlcli.judgers.pool import JudgePool
+
+    return JudgePool(task_cfg.judger.build())
+
+
+def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, eval_mode: bool = False,
+                shard: tuple[int, int] | None = None):
+    """Runtime :class:`Task` objects (and their judge pools) for a list of task configs.
+
+    ``shard=(index, count)``: this process's share of the prompts (default: its rank among all ranks).
+    """
+    interval = env.recipe.trainer.sync_weights_interval
+    index, count = shard if shard is not None else (env.rank, env.world_size)
+    tasks, pools = [], []
+    for tc in task_cfgs:
+        pool = build_judge_pool(tc)
+        pools.append(pool)
+        sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
+        if hasattr(sampler, "shard"):
+            sampler.shard(index, count)  # every rank rolls out distinct prompts
+        loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,
+                                   eos_token_ids=env.eos_ids, seed=env.seed, salt=f"{salt}:{tc.task_name}")
+        strategy = tc.produce_strategy.build(sync_weights_interval=interval)
+        filters = [] if eval_mode else [f.build() for f in tc.group_filters]
+        rule = strategy.staleness_rule() if not eval_mode else StalenessRule()
+        tasks.append(Task(tc.task_name, tc.weight, sampler, loop, strategy, filters, rule))
+    return tasks, pools
+
+
+def write_resolved(recipe: Recipe, work_dir: Path) -> None:
+    reg = recipe._registry or get_registry()
+    used = {}
+    for path, kind, spec in recipe.components():
+        e = reg.entry(kind, spec.name)
+        used[path] = f"{kind} {spec.name} from {e.dist} {e.version}"
+    data = {"recipe": resolved_dict(recipe), "plugins": used,
+            "versions": {"torch": str(torch.__version__), "transformers": str(__import__("transformers").__version__)}}
+    work_dir.mkdir(parents=True, exist_ok=True)
+    (work_dir / "resolved.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def freeze_heap() -> None:
+    """Exempt everything built so far (modules, models, tokenizer: ~400k objects) from the cyclic
+    garbage collector. Otherwise each full collection scans them all - about 0.2 s on a small CPU,
+    every few steps - and stalls the event loop that feeds the engine, or the trainer."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo :func:`freeze_heap` when a runner closes. Frozen objects are never collected, so a
+    closed runner's trainer, engine and their device memory (GiBs: weights, Adam state, KV
+    cache) would otherwise stay allocated for the life of the process as soon as anything
+    reaches them through a reference cycle - a second run in the same process, a notebook."""
+    import gc
+
+    gc.unfreeze()
+    gc.collect()
