@@ -50,7 +50,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlcli.backends",
     "rlcli.algo.advantage",
     "rlcli.algo.loss",
-    "rlcli.evaluator",
+    "rlcli.evaluator_metrics",
     "rlcli.trackers",
     "rlcli.data.sampler",
     "rlcli.produce.filters",
