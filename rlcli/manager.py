@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rlcli.component import ReportsRolloutMetrics
 from rlcli.produce import ProduceContext, ProduceStats, ProduceStatus, Task
 from rlcli.replay_buffer import ReplayBuffer, StalenessRule, token_keep_mask
 from rlcli.types import Group, Status
@@ -482,10 +483,9 @@ class RolloutManager:
         for t in self.tasks:
             for k, v in t.sampler.pop_stats().items():
                 m[k] = m.get(k, 0.0) + v
-            extra = getattr(t.agent_loop, "rollout_metrics", None)  # e.g. tool/* of multi-turn loops
-            if extra is not None:
+            if isinstance(t.agent_loop, ReportsRolloutMetrics):  # e.g. tool/* of multi-turn loops
                 mine = [s for g in groups if g.task_name == t.name for s in g.samples]
-                for k, v in extra(mine).items():
+                for k, v in t.agent_loop.rollout_metrics(mine).items():
                     m[f"task/{t.name}/{k}" if multi else k] = v
         return m
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, ClassVar
 from pydantic import Field
 
 from rlcli import hookimpl
-from rlcli.component import Component, ComponentConfig
+from rlcli.component import CancelsJudging, Component, ComponentConfig, HasJudgePool
 from rlcli.replay_buffer import ReplayBuffer, StalenessRule
 from rlcli.types import Group, Sample, Status
 
@@ -198,7 +198,7 @@ class ProduceStrategy(Component):
         self._prune()
         if not self._pending:
             return
-        pool = getattr(task.agent_loop, "judge_pool", None)
+        pool = task.agent_loop.judge_pool if isinstance(task.agent_loop, HasJudgePool) else None
         start = time.monotonic()
         grace_end = start + self.config.judge_grace_s
         hard_end = start + max(self.config.drain_timeout_s, self.config.judge_grace_s)
@@ -216,7 +216,7 @@ class ProduceStrategy(Component):
                     f.cancel()
                 await asyncio.wait(left)
                 break
-            if pool is not None and getattr(pool, "pending", 0):
+            if isinstance(pool, CancelsJudging) and pool.pending:
                 # judge calls in flight: they get what is left of the grace period, then are cancelled
                 await pool.cancel_pending(max(0.0, grace_end - now))
             await asyncio.wait(list(self._pending), timeout=min(0.05, hard_end - now))

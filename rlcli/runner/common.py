@@ -16,6 +16,7 @@ import torch
 import yaml
 
 from rlcli.backends.base import BackendContext, InferenceBackend
+from rlcli.component import ComputesGroups, Shardable
 from rlcli.config import Recipe, TaskConfig, resolved_dict
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device, rank, world_size
@@ -187,7 +188,7 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
         pool = build_judge_pool(tc)
         pools.append(pool)
         sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
-        if hasattr(sampler, "shard"):
+        if isinstance(sampler, Shardable):
             sampler.shard(index, count)  # every rank rolls out distinct prompts
         loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,
                                    eos_token_ids=env.eos_ids, seed=env.seed, salt=f"{salt}:{tc.task_name}")
@@ -210,7 +211,7 @@ def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=
                           and s.response_ids] for g in groups) if m]
     rewards = [[s.score for s in members] for members in kept]
     lengths = [[len(s.response_ids) for s in members] for members in kept]
-    if hasattr(estimator, "compute_groups"):  # every group at once
+    if isinstance(estimator, ComputesGroups):  # every group at once
         advantages = estimator.compute_groups(rewards, lengths)
     else:  # an estimator with the per-group method only: the base class's loop over it
         advantages = AdvantageEstimator.compute_groups(estimator, rewards, lengths)
