@@ -45,8 +45,8 @@ KINDS: dict[str, str] = {
 DEFAULT_PLUGINS: tuple[str, ...] = (
     "rlcli.agent_loops",
     "rlcli.judgers",
-    "rlcli.produce.strategies",
-    "rlcli.produce.replay_buffer",
+    "rlcli.produce",
+    "rlcli.replay_buffer",
     "rlcli.backends",
     "rlcli.algo.advantage",
     "rlcli.algo.loss",

@@ -11,16 +11,20 @@
   the strategies of every task into one batch (colocated) or a background producer
   (disaggregated).
 
-This package re-exports the names plugins use.
+This package re-exports the names plugins use, and the hook that registers the built-in
+strategies (``rlcli.produce`` is the module ``DEFAULT_PLUGINS`` names for them).
 """
 
 from rlcli.produce.base import (
     ProduceContext, ProduceStats, ProduceStatus, ProduceStrategy, ProduceStrategyConfig, Task,
 )
 from rlcli.produce.staleness import StalenessRule
-from rlcli.produce.strategies import AsyncProduceStrategy, AsyncProduceStrategyConfig, SyncProduceStrategy
+from rlcli.produce.strategies import (
+    AsyncProduceStrategy, AsyncProduceStrategyConfig, SyncProduceStrategy, register_produce_strategies,
+)
 
 __all__ = [
     "AsyncProduceStrategy", "AsyncProduceStrategyConfig", "ProduceContext", "ProduceStats", "ProduceStatus",
     "ProduceStrategy", "ProduceStrategyConfig", "StalenessRule", "SyncProduceStrategy", "Task",
+    "register_produce_strategies",
 ]
