@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 from rlcli.component import AcceptsLiveWeights
 from rlcli.config import Recipe
 from rlcli.dist import barrier, init_distributed
-from rlcli.manager import RolloutManager
+from rlcli.produce.manager import RolloutManager
 from rlcli.models import resolve_device
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.common import (

@@ -21,11 +21,11 @@ from rlcli.config import Recipe, TaskConfig, resolved_dict
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device, rank, world_size
 from rlcli.fsutil import write_jsonl
-from rlcli.manager import engine_metrics
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
 from rlcli.plugins import get_registry
 from rlcli.produce import Task
-from rlcli.replay_buffer import StalenessRule
+from rlcli.produce.manager import engine_metrics
+from rlcli.produce.staleness import StalenessRule
 from rlcli.tokenizer import eos_token_ids, load_tokenizer
 from rlcli.types import Group, Sample, Status
 

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlcli.component import ReportsRolloutMetrics
-from rlcli.produce import ProduceContext, ProduceStats, ProduceStatus, Task
-from rlcli.replay_buffer import ReplayBuffer, StalenessRule, token_keep_mask
+from rlcli.produce.base import ProduceContext, ProduceStats, ProduceStatus, Task
+from rlcli.produce.replay_buffer import ReplayBuffer
+from rlcli.produce.staleness import StalenessRule, mask_stale_tokens
 from rlcli.types import Group, Status
 
 log = logging.getLogger(__name__)
@@ -396,19 +397,7 @@ class RolloutManager:
     def _take(self, sizes: dict[str, int], step: int, status: ProduceStatus) -> BatchResult:
         self._refresh(step)  # whatever happened since, nothing taken is past its bound at `step`
         taken = self.buffer.take_batch(sizes)
-        masked = 0
-        for t in self.tasks:
-            thr = t.rule.token_stale_threshold
-            if thr is None:
-                continue
-            for g in taken.get(t.name, []):
-                for s in g.samples:
-                    if s.status != Status.COMPLETED or not s.response_ids:
-                        continue
-                    keep = token_keep_mask(s, step, thr)
-                    old = s.response_mask or [1] * len(s.response_ids)
-                    masked += sum(1 for a, b in zip(old, keep) if a and not b)
-                    s.response_mask = keep
+        masked = sum(mask_stale_tokens(taken.get(t.name, []), step, t.rule.token_stale_threshold) for t in self.tasks)
         groups = [g for name in sorted(taken) for g in sorted(taken[name], key=lambda g: g.group_id)]
         metrics = self._metrics(groups, step)
         metrics["rollout/masked_stale_tokens"] = float(masked)
