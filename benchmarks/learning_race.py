@@ -69,6 +69,7 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
 import race_task as rt  # noqa: E402
+from profiling import maybe_profile  # noqa: E402
 
 FRAMEWORKS = ("rlcli", "rlcli-async", "rlcli-vllm", "rlcli-sglang", "rlcli-lmdeploy", "trl", "trl-vllm")
 ENGINE_PLUGINS = {"vllm": "rlcli_vllm", "sglang": "rlcli_sglang", "lmdeploy": "rlcli_lmdeploy"}
@@ -167,9 +168,14 @@ def rlcli_child(spec: dict) -> None:
     from rlcli.runner.colocate import ColocateRunner
 
     run_dir, t0 = Path(spec["run_dir"]), spec["t_launch"]
+    t_imported = time.time()
     raw = yaml.safe_load((run_dir / "recipe.yaml").read_text())
     rec = validate_recipe(raw, registry=rlcli_registry(raw), source=str(run_dir / "recipe.yaml"))
-    runner = ColocateRunner(rec, run_dir / "work", quiet=True, overwrite=True)
+    t_valid = time.time()
+    with maybe_profile(os.environ.get("RACE_PROFILE"), f"startup-{spec['framework']}"):
+        runner = ColocateRunner(rec, run_dir / "work", quiet=True, overwrite=True)
+    print(f"[startup] imports {t_imported - t0:.1f}s, recipe {t_valid - t_imported:.1f}s, "
+          f"runner {time.time() - t_valid:.1f}s", flush=True)
     orig_log, eval_s = runner.log, [0.0]
 
     def log(step, metrics, groups=None):

@@ -1,6 +1,9 @@
-"""Generate the recipe reference (docs/recipes.md) from the pydantic models, so it cannot go stale.
+"""Generate the docs that list what the code declares, so they cannot go stale: the recipe
+reference of docs/recipes.md (from the pydantic models) and the kind table of docs/plugins.md
+(from rlcli.hookspecs.COMPONENT_KINDS, the recipe models and the built-in registrations).
 
-    python -m rlcli.docgen > /tmp/ref.md   # or: python -m rlcli.docgen --write docs/recipes.md
+    python -m rlcli.docgen > /tmp/ref.md   # the recipe reference
+    RLCLI_DISABLE_PLUGIN_AUTOLOAD=1 python -m rlcli.docgen --write docs/recipes.md docs/plugins.md
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 BEGIN, END = "<!-- BEGIN GENERATED REFERENCE -->", "<!-- END GENERATED REFERENCE -->"
+KINDS_BEGIN, KINDS_END = "<!-- BEGIN GENERATED KIND TABLE -->", "<!-- END GENERATED KIND TABLE -->"
 
 
 def _default(f) -> str:
@@ -91,19 +95,60 @@ def recipe_reference() -> str:
     return "\n".join(out)
 
 
+def _builtin_entries(reg, kind: str) -> list:
+    return [reg.entry(kind, name) for name in reg.names(kind) if reg.entry(kind, name).dist == "rlcli"]
+
+
+def recipe_keys(reg) -> dict[str, list[str]]:
+    """kind -> where recipes configure it: the recipe's component fields, and those in the options
+    of a built-in component (the ``multi_turn`` agent loop's ``tools``)."""
+    from rlcli.config import Recipe
+    from rlcli.config.tree import component_fields
+
+    keys: dict[str, list[str]] = {}
+    for path, kind in component_fields(Recipe):
+        keys.setdefault(kind, []).append(f"`{path}`")
+        for e in _builtin_entries(reg, kind):
+            for sub_path, sub_kind in component_fields(e.cls.Config, path + "."):
+                keys.setdefault(sub_kind, []).append(f"`{sub_path}` ({kind} `{e.name}`)")
+    return keys
+
+
+def kind_table() -> str:
+    """The table of component kinds of docs/plugins.md, one row per declared kind, in order."""
+    from rlcli.hookspecs import COMPONENT_KINDS
+    from rlcli.plugins import get_registry
+
+    reg = get_registry()
+    keys = recipe_keys(reg)
+    lines = [KINDS_BEGIN, "", "| kind | hook | base class (the contract) | recipe keys | built-ins |",
+             "| --- | --- | --- | --- | --- |"]
+    for k in COMPONENT_KINDS:
+        builtins = ", ".join(f"`{e.name}`" for e in _builtin_entries(reg, k.name))
+        lines.append(f"| `{k.name}` | `{k.hook}` | `{k.base}` | {', '.join(keys.get(k.name, []))} | {builtins} |")
+    lines += ["", KINDS_END]
+    return "\n".join(lines)
+
+
 def splice(doc: str, generated: str) -> str:
-    head, _, rest = doc.partition(BEGIN)
-    _, _, tail = rest.partition(END)
+    """Replace the block of ``doc`` between the generated block's first and last lines (its markers)."""
+    lines = generated.splitlines()
+    head, _, rest = doc.partition(lines[0])
+    _, _, tail = rest.partition(lines[-1])
     return head + generated + tail
 
 
 def main() -> None:
-    ref = recipe_reference()
     if len(sys.argv) > 2 and sys.argv[1] == "--write":
-        p = Path(sys.argv[2])
-        p.write_text(splice(p.read_text(), ref))
+        for path in sys.argv[2:]:
+            p = Path(path)
+            text = p.read_text()
+            for begin, generate in ((BEGIN, recipe_reference), (KINDS_BEGIN, kind_table)):
+                if begin in text:
+                    text = splice(text, generate())
+            p.write_text(text)
     else:
-        print(ref)
+        print(recipe_reference())
 
 
 if __name__ == "__main__":

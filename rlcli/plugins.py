@@ -26,36 +26,11 @@ import pluggy
 
 from rlcli import __version__, hookspecs
 
-# kind (as written in recipes and docs) -> hook name
-KINDS: dict[str, str] = {
-    "agent_loop": "register_agent_loops",
-    "judger": "register_judgers",
-    "produce_strategy": "register_produce_strategies",
-    "replay_buffer": "register_replay_buffers",
-    "inference_backend": "register_inference_backends",
-    "advantage_estimator": "register_advantage_estimators",
-    "policy_loss": "register_policy_losses",
-    "evaluator_metric": "register_evaluator_metrics",
-    "tracker": "register_trackers",
-    "sampler": "register_samplers",
-    "group_filter": "register_group_filters",
-    "tool": "register_tools",
-}
+# kind (as written in recipes and docs) -> hook name, in declaration order (rlcli.hookspecs.COMPONENT_KINDS)
+KINDS: dict[str, str] = {k.name: k.hook for k in hookspecs.COMPONENT_KINDS}
 
-DEFAULT_PLUGINS: tuple[str, ...] = (
-    "rlcli.agent_loops",
-    "rlcli.judgers",
-    "rlcli.produce",
-    "rlcli.replay_buffer",
-    "rlcli.backends",
-    "rlcli.algo.advantage",
-    "rlcli.algo.loss",
-    "rlcli.evaluator",
-    "rlcli.trackers",
-    "rlcli.data.sampler",
-    "rlcli.produce.filters",
-    "rlcli.tools",
-)
+# the modules that register the built-in components, each once, in declaration order
+DEFAULT_PLUGINS: tuple[str, ...] = tuple(dict.fromkeys(k.builtins for k in hookspecs.COMPONENT_KINDS))
 
 
 class PluginError(Exception):

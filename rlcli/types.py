@@ -2,7 +2,8 @@
 
 A *sample* is one rollout of one prompt; a *group* is the ``prompt_repeat_k`` samples of one
 prompt. Every response token carries the policy version that produced it
-(``Sample.token_versions``), so staleness is measured in one unit everywhere: policy versions.
+(``Sample.token_versions``), so staleness is measured in one unit everywhere: policy versions
+(the rule and the token mask are in :mod:`rlcli.produce.staleness`).
 """
 
 from __future__ import annotations
@@ -135,13 +136,6 @@ class Sample:
 
     def clone(self) -> "Sample":
         return copy.deepcopy(self)
-
-
-def seq_staleness(oldest_version: int | None, consumer_step: int) -> int:
-    """Staleness at consumer step ``t`` of data whose oldest token came from policy ``v``: ``t - v - 1``."""
-    if oldest_version is None:
-        return 0
-    return consumer_step - oldest_version - 1
 
 
 @dataclass

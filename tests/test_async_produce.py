@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from rlcli.agent_loops import SingleTurnAgentLoop
 from rlcli.backends.base import GenerateOutput, GenerateRequest
 from rlcli.judging import JudgePool
-from rlcli.manager import RolloutManager, _pct
+from rlcli.produce.manager import RolloutManager, _pct
 from rlcli.produce import (
     AsyncProduceStrategy, ProduceContext, ProduceStatus, SyncProduceStrategy, Task,
 )

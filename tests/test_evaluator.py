@@ -9,7 +9,7 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from rlcli.evaluator import (
+from rlcli.evaluator_metrics import (
     AccuracyMetric,
     PassAtKMetric,
     RewardStatsMetric,

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlcli.manager import allocate_task_batch_sizes
+from rlcli.produce.manager import allocate_task_batch_sizes
 
 
 def test_split_by_weight():
@@ -57,7 +57,7 @@ def test_split_properties(batch, weights):
 def test_manager_validates_tasks_and_custom_allocations():
     from types import SimpleNamespace
 
-    from rlcli.manager import RolloutManager
+    from rlcli.produce.manager import RolloutManager
     from rlcli.replay_buffer import ReplayBuffer
 
     def task(name, weight=1.0):

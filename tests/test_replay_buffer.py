@@ -2,8 +2,9 @@
 
 import pytest
 
+from rlcli.produce.staleness import seq_staleness
 from rlcli.replay_buffer import AsyncReplayBuffer, ReplayBuffer, StalenessRule, token_keep_mask
-from rlcli.types import Group, Sample, Status, group_status, seq_staleness, status_from_finish_reason
+from rlcli.types import Group, Sample, Status, group_status, status_from_finish_reason
 
 
 def sample(uid, versions, status=Status.COMPLETED, task="t", mask=None, reward=1.0):

@@ -71,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 from rlcli.agent_loops import AgentLoop, AgentLoopConfig
 from rlcli.backends.base import GenerateRequest, InferenceBackend
 from rlcli.component import ComponentConfig
+from rlcli.hookspecs import Kind
 from rlcli.tokenizer import decode_tokens
 from rlcli.tools.base import Tool, ToolResult, error_text
 from rlcli.types import Sample, Status, status_from_finish_reason
@@ -244,7 +245,7 @@ class MultiTurnConfig(AgentLoopConfig):
     tool_format: ToolFormatConfig = Field(  # type: ignore[valid-type]
         default_factory=HermesFormatConfig,
         description="How calls are parsed and results shown: {name: hermes|line, ...}.")
-    tools: list[ToolSpec] = Field(
+    tools: list[Annotated[ToolSpec, Kind("tool")]] = Field(
         default_factory=list, description="Registered tools the model may call: [{name: calculator, ...options}].")
     max_tool_response_tokens: int | None = Field(
         None, gt=0, description="Cut one tool response to this many tokens (the budget may cut it further).")

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from rlcli.component import ChecksRecipe
 from rlcli.config.issues import Issue, RecipeError
 from rlcli.config.resolve import _issue_from_pydantic, _resolve_component
 from rlcli.config.rules import _check_rules
@@ -74,8 +75,10 @@ def _recipe_checks(registry: Registry) -> list:
     seen = set()
     for table in registry.entries.values():
         for entry in table.values():
-            fn = getattr(entry.cls, "check_recipe", None)
-            if fn is not None and id(fn) not in seen:
+            if not isinstance(entry.cls, ChecksRecipe):
+                continue
+            fn = entry.cls.check_recipe
+            if id(fn) not in seen:
                 seen.add(id(fn))
                 checks.append(fn)
     return checks

@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from rlcli.component import ChecksConfig
 from rlcli.config.issues import Issue
 from rlcli.config.spec import ComponentSpec
 from rlcli.config.tree import _dotted, _model_class_at
@@ -38,8 +39,8 @@ def _resolve_component(registry: Registry, path: tuple, kind: str, raw: Any, iss
         for err in exc.errors():
             issues.append(_issue_from_pydantic(cls.Config, err, path, extra=f" (options of {kind} {name!r})"))
         return None
-    check = getattr(cls, "check_config", None)
-    if check is not None:
+    if isinstance(cls, ChecksConfig):
+        check = cls.check_config
         takes_registry = "registry" in inspect.signature(check).parameters
         for field_name, msg in (check(cfg, registry=registry) if takes_registry else check(cfg)) or []:
             issues.append(Issue(f"{where}.{field_name}" if field_name else where, msg))

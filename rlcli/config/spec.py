@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
+from rlcli.hookspecs import Kind  # the kinds are declared once, in rlcli.hookspecs
+
+__all__ = ["ComponentSpec", "Kind", "Strict"]
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-@dataclass(frozen=True)
-class Kind:
-    """Annotation marking a field as a component section of the given plugin kind."""
-
-    kind: str
 
 
 class ComponentSpec(BaseModel):

@@ -98,3 +98,18 @@ def _collect_specs(obj: Any, path: tuple, out: list) -> None:
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             _collect_specs(v, path + (i,), out)
+
+
+def component_fields(model_cls: type[BaseModel], prefix: str = "") -> list[tuple[str, str]]:
+    """Every field of ``model_cls``, and of the models below it, that holds component sections,
+    as ``(path, kind)``; ``[]`` marks the items of a list (``tasks[].sampler``)."""
+    out: list[tuple[str, str]] = []
+    for fname, finfo in model_cls.model_fields.items():
+        inner, is_list = _unwrap(finfo.annotation)
+        path = prefix + fname + ("[]" if is_list else "")
+        kind = _kind_of(finfo)
+        if kind is not None:
+            out.append((path, kind))
+        elif isinstance(inner, type) and issubclass(inner, BaseModel):
+            out += component_fields(inner, path + ".")
+    return out

@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from rlcli import hookimpl
-from rlcli.component import Component, ComponentConfig
+from rlcli.component import ComponentConfig
+from rlcli.data.base import Sampler
 from rlcli.types import Sample
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ def _parse_row(obj: Any) -> tuple[list[dict], str, dict, dict]:
     return messages, data_source, reward_model, extra
 
 
-class JsonlSampler(Component):
+class JsonlSampler(Sampler):
     """Prompts from an RL JSONL file, shuffled per epoch, in groups of prompt_repeat_k."""
 
     name: ClassVar[str] = "jsonl"

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, ValidationError, field_validator
 
+from rlcli.component import ChecksConfig
 from rlcli.judgers.base import Judger, JudgerConfig
 from rlcli.plugins import PluginError, Registry, get_registry
 from rlcli.types import Sample
@@ -116,9 +117,9 @@ class ComposedJudger(Judger):
                         msg = f"unknown key; allowed: {', '.join(sub.Config.model_fields)}"
                     issues.append((f"{where}.{loc}" if loc else where, f"{msg} (options of judger {spec['name']!r})"))
                 continue
-            sub_check = getattr(sub, "check_config", None)
-            if sub_check is not None:
-                nested = sub_check(sub_cfg, registry) if issubclass(sub, ComposedJudger) else sub_check(sub_cfg)
+            if isinstance(sub, ChecksConfig):
+                check = sub.check_config
+                nested = check(sub_cfg, registry) if issubclass(sub, ComposedJudger) else check(sub_cfg)
                 for field_name, msg in nested or []:
                     issues.append((f"{where}.{field_name}" if field_name else where, msg))
         return issues

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from rlcli.component import AcceptsLiveWeights
 from rlcli.config import Recipe
 from rlcli.dist import barrier, init_distributed
-from rlcli.manager import RolloutManager
+from rlcli.produce.manager import RolloutManager
 from rlcli.models import resolve_device
 from rlcli.fsutil import write_jsonl
 from rlcli.runner.evaluation import Evaluator
@@ -145,7 +146,8 @@ class ColocateRunner:
         """Stream the trainer's weights to the backend bucket by bucket (no full copy, no disk).
         A backend that copies and casts them itself (``accepts_live_weights``) gets the trainer's
         own parameters, with no cast copy in between, where the trainer holds them whole."""
-        live = bool(getattr(self.backend, "accepts_live_weights", False)) and self.worker.can_lend_weights()
+        live = (isinstance(self.backend, AcceptsLiveWeights) and bool(self.backend.accepts_live_weights)
+                and self.worker.can_lend_weights())
         itemsize = self.worker.dtype.itemsize
         nbytes, seen = 0, set()
         for bucket in self.worker.iter_weights(live=live):

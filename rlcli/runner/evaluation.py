@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from rlcli.dist import rank, world_size
-from rlcli.manager import engine_metrics
+from rlcli.produce.manager import engine_metrics
 from rlcli.runner.setup import Environment, build_tasks
 from rlcli.types import Sample
 

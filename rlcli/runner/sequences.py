@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlcli.component import ComputesGroups
 from rlcli.types import Group, Status
 
 
@@ -17,7 +18,7 @@ def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=
                           and s.response_ids] for g in groups) if m]
     rewards = [[s.score for s in members] for members in kept]
     lengths = [[len(s.response_ids) for s in members] for members in kept]
-    if hasattr(estimator, "compute_groups"):  # every group at once
+    if isinstance(estimator, ComputesGroups):  # every group at once
         advantages = estimator.compute_groups(rewards, lengths)
     else:  # an estimator with the per-group method only: the base class's loop over it
         advantages = AdvantageEstimator.compute_groups(estimator, rewards, lengths)

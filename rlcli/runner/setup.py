@@ -13,13 +13,14 @@ import torch
 import yaml
 
 from rlcli.backends.base import BackendContext, InferenceBackend
+from rlcli.component import Shardable
 from rlcli.config import Recipe, TaskConfig, resolved_dict
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
 from rlcli.plugins import get_registry
 from rlcli.produce import Task
-from rlcli.replay_buffer import StalenessRule
+from rlcli.produce.staleness import StalenessRule
 from rlcli.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -171,7 +172,7 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
         pool = build_judge_pool(tc)
         pools.append(pool)
         sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
-        if hasattr(sampler, "shard"):
+        if isinstance(sampler, Shardable):
             sampler.shard(index, count)  # every rank rolls out distinct prompts
         loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,
                                    eos_token_ids=env.eos_ids, seed=env.seed, salt=f"{salt}:{tc.task_name}")

@@ -75,7 +75,7 @@ def format_number(value: Fraction, decimals: int = 10) -> str:
     return "-" + out if value < 0 and out.strip("0.") else out
 
 
-class Evaluator:
+class ArithmeticInterpreter:
     """Evaluates one parsed expression under the bounds of a :class:`CalculatorConfig`."""
 
     def __init__(self, cfg: CalculatorConfig):
@@ -185,11 +185,11 @@ class Calculator(Tool):
 
     def __init__(self, config: CalculatorConfig | None = None):
         super().__init__(config)
-        self._evaluator = Evaluator(self.config)
+        self._interpreter = ArithmeticInterpreter(self.config)
 
     def evaluate(self, expression: str) -> str:
         """The formatted value of ``expression``; raises :class:`CalculatorError`."""
-        return format_number(self._evaluator.evaluate(expression), self.config.decimals)
+        return format_number(self._interpreter.evaluate(expression), self.config.decimals)
 
     def call(self, arguments: dict[str, Any]) -> str | ToolOutput:
         unknown = sorted(set(arguments) - {"expression"})

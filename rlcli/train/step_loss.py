@@ -17,6 +17,7 @@ import torch
 from rlcli.algo.kl import kl_penalty
 from rlcli.algo.loss import aggregation_weights
 from rlcli.algo.mismatch import RolloutCorrection, masks, rollout_correction, truncates, vetoes
+from rlcli.component import RatioOnly
 from rlcli.config import RolloutISConfig
 from rlcli.train.data import MicroBatch
 from rlcli.train.step_metrics import StepMetrics
@@ -100,7 +101,7 @@ def head_grad_ahead(cfg: TrainWorkerConfig, policy_loss: PolicyLoss) -> bool:
         return False
     if is_cfg is not None and (truncates(is_cfg) or masks(is_cfg) or vetoes(is_cfg)):
         return False
-    return bool(getattr(policy_loss, "ratio_only", False))
+    return isinstance(policy_loss, RatioOnly) and bool(policy_loss.ratio_only)
 
 
 def on_policy_grad(policy_loss: PolicyLoss, mb: MicroBatch, num_tokens: int, num_seqs: int, world_size: int,

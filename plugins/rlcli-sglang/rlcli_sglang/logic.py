@@ -119,7 +119,7 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
         kw["context_length"] = cfg.max_model_len
     if cfg.max_batch_size is not None:
         kw["max_running_requests"] = cfg.max_batch_size
-    if getattr(cfg, "use_request_seeds", False):
+    if cfg.use_request_seeds:
         # SGLang reads `sampling_seed` only in deterministic mode (which also picks the pytorch sampler)
         kw["enable_deterministic_inference"] = True
     kw.update(cfg.engine_kwargs)

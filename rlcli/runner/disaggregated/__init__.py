@@ -5,7 +5,7 @@ One launch (``rlcli train RECIPE --nproc-per-node N``), two roles, set by
 
 * **train ranks** run FSDP2 over their own process group. Train rank 0 coordinates the run: the
   step loop, the console, trackers, logs and the trained-groups ledger;
-* **rollout ranks** each host an inference replica and a :class:`~rlcli.manager.RolloutManager`
+* **rollout ranks** each host an inference replica and a :class:`~rlcli.produce.manager.RolloutManager`
   whose background producer (the ``async`` strategy's ``produce_loop``) keeps filling its replay
   buffer with groups for future steps - at most as far ahead of the policy it serves as the
   staleness bound allows. Each rollout rank rolls out its own shard of the prompts.

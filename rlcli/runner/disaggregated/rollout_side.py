@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rlcli.manager import RolloutManager
+from rlcli.produce.manager import RolloutManager
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _RolloutStub, _save_collective
 from rlcli.runner.disaggregated.protocol import _report

@@ -146,7 +146,7 @@ def _random_prompts(model_dir, n: int, rng: random.Random, eos_ids, lengths=(1, 
 
 
 def _eos(backend: InferenceBackend) -> list[int]:
-    return list(getattr(backend, "ctx", None).eos_token_ids or [])
+    return list(backend.ctx.eos_token_ids or [])
 
 
 async def _gen(backend: InferenceBackend, prompt: list[int], seed: int | None = None, **params: Any) -> GenerateOutput:

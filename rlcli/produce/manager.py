@@ -31,8 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from rlcli.produce import ProduceContext, ProduceStats, ProduceStatus, Task
-from rlcli.replay_buffer import ReplayBuffer, StalenessRule, token_keep_mask
+from rlcli.component import ReportsRolloutMetrics
+from rlcli.produce.base import ProduceContext, ProduceStats, ProduceStatus, Task
+from rlcli.produce.replay_buffer import ReplayBuffer
+from rlcli.produce.staleness import StalenessRule, mask_stale_tokens
 from rlcli.types import Group, Status
 
 log = logging.getLogger(__name__)
@@ -395,19 +397,7 @@ class RolloutManager:
     def _take(self, sizes: dict[str, int], step: int, status: ProduceStatus) -> BatchResult:
         self._refresh(step)  # whatever happened since, nothing taken is past its bound at `step`
         taken = self.buffer.take_batch(sizes)
-        masked = 0
-        for t in self.tasks:
-            thr = t.rule.token_stale_threshold
-            if thr is None:
-                continue
-            for g in taken.get(t.name, []):
-                for s in g.samples:
-                    if s.status != Status.COMPLETED or not s.response_ids:
-                        continue
-                    keep = token_keep_mask(s, step, thr)
-                    old = s.response_mask or [1] * len(s.response_ids)
-                    masked += sum(1 for a, b in zip(old, keep) if a and not b)
-                    s.response_mask = keep
+        masked = sum(mask_stale_tokens(taken.get(t.name, []), step, t.rule.token_stale_threshold) for t in self.tasks)
         groups = [g for name in sorted(taken) for g in sorted(taken[name], key=lambda g: g.group_id)]
         metrics = self._metrics(groups, step)
         metrics["rollout/masked_stale_tokens"] = float(masked)
@@ -482,10 +472,9 @@ class RolloutManager:
         for t in self.tasks:
             for k, v in t.sampler.pop_stats().items():
                 m[k] = m.get(k, 0.0) + v
-            extra = getattr(t.agent_loop, "rollout_metrics", None)  # e.g. tool/* of multi-turn loops
-            if extra is not None:
+            if isinstance(t.agent_loop, ReportsRolloutMetrics):  # e.g. tool/* of multi-turn loops
                 mine = [s for g in groups if g.task_name == t.name for s in g.samples]
-                for k, v in extra(mine).items():
+                for k, v in t.agent_loop.rollout_metrics(mine).items():
                     m[f"task/{t.name}/{k}" if multi else k] = v
         return m
 
