@@ -146,12 +146,6 @@ class ReplayBuffer(Component):
         tasks = [task] if task is not None else list(self._entries)
         return sum(1 for t in tasks for e in self._entries.get(t, []) if status is None or e.status == status)
 
-    def count_statuses(self, task: str) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self._entries.get(task, []):
-            out[e.status.value] = out.get(e.status.value, 0) + 1
-        return out
-
     def is_ready(self, sizes: dict[str, int]) -> bool:
         return all(self.count(t, Status.COMPLETED) >= n for t, n in sizes.items() if n > 0)
 
