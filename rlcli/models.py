@@ -7,7 +7,6 @@ Face directory, so a from-scratch model is first written to ``<work_dir>/model-i
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -85,10 +84,6 @@ def tokenizer_source(model_cfg, model_dir: str | Path) -> str:
     if model_cfg.tokenizer and not str(model_cfg.tokenizer).startswith(BUILTIN_PREFIX):
         return str(model_cfg.tokenizer)
     return str(model_dir)
-
-
-def read_model_config(model_dir: str | Path) -> dict:
-    return json.loads((Path(model_dir) / "config.json").read_text())
 
 
 def tiny_model_dir(out_dir: str | Path, arch: str = "llama", seed: int = 0, **spec) -> Path:

@@ -22,9 +22,6 @@ OVER_FILE: dict[str, int] = {
 
 # "path::qualified.name" -> lines when the check came in
 OVER_FUNCTION: dict[str, int] = {
-    "plugins/rlcli-python-tool/rlcli_python_tool/_bootstrap.py::_make_hook": 104,
-    "plugins/rlcli-python-tool/rlcli_python_tool/_bootstrap.py::_make_hook.hook": 98,
-    "rlcli/backends/decode_attention.py::decode_attention": 126,
 }
 
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 import functools
 import os
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -334,6 +335,21 @@ def decode_attention(
     4 warps and 3 stages (``benchmarks/decode_attention.py --sweep``, 2026-12-02); otherwise 4
     warps, and 3 stages for 16-bit inputs with head dims up to 64, 2 for the rest.
     """
+    q, positions, prefix_rows, prefix_lens = _checked_inputs(q, k_cache, v_cache, positions, key_len, window,
+                                                             prefix_rows, prefix_lens)
+    n, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if n == 0:
+        return out
+    launch = _launch_params(q, kv_heads, key_len, block_n, num_splits, num_warps, num_stages)
+    _launch(q, k_cache, v_cache, positions, prefix_rows, prefix_lens, out, key_len, scale, window, launch)
+    return out
+
+
+def _checked_inputs(q, k_cache, v_cache, positions, key_len, window, prefix_rows, prefix_lens):
+    """:func:`decode_attention`'s checks of its tensors; returns ``q``, ``positions``,
+    ``prefix_rows`` and ``prefix_lens`` in the layout the kernel reads (a copy only where needed)."""
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [n, H, hd] and caches [R, KVH, Lmax, hd], got {tuple(q.shape)}, "
                          f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
@@ -364,13 +380,24 @@ def decode_attention(
     if q.stride(-1) != 1:
         q = q.contiguous()
     positions = positions.contiguous()  # no copy when it already is
+    return q, positions, prefix_rows, prefix_lens
 
-    group = num_heads // kv_heads
-    out = torch.empty((n, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if n == 0:
-        return out
+
+class _LaunchParams(NamedTuple):
+    block_d: int  # head dim padded to a power of two >= 16
+    block_g: int  # query heads per KV head, likewise padded
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def _launch_params(q, kv_heads, key_len, block_n, num_splits, num_warps, num_stages) -> _LaunchParams:
+    """Block sizes and launch parameters from the shapes and dtype: the knobs given, defaults for the
+    rest (see :func:`decode_attention`)."""
+    n, num_heads, head_dim = q.shape
     block_d = max(16, _next_pow2(head_dim))
-    block_g = max(16, _next_pow2(group))
+    block_g = max(16, _next_pow2(num_heads // kv_heads))
     wide = q.dtype == torch.float32 or block_d > 128
     if block_n is None:
         block_n = BLOCK_N // 2 if wide else BLOCK_N
@@ -385,28 +412,35 @@ def decode_attention(
         num_warps = 2 if many_rows else 4
     if num_stages is None:
         num_stages = 2 if many_rows or wide or block_d > 64 else 3
+    return _LaunchParams(block_d, block_g, block_n, num_splits, num_warps, num_stages)
 
+
+def _launch(q, k_cache, v_cache, positions, prefix_rows, prefix_lens, out, key_len, scale, window,
+            p: _LaunchParams) -> None:
+    """Run ``_attn_fwd`` into ``out`` (with one split) or into float32 partials merged by ``_combine``."""
+    n, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
     interpret = _interpreting()
     kernels = _kernels(interpret)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"  # tf32 is the default; unused for 16-bit inputs
     common = dict(
         key_len=key_len, window=_NO_WINDOW if window is None else window, qk_scale=scale * _LOG2E,
-        KVH=kv_heads, GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_D=block_d, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, PRECISION=precision, INTERPRET=interpret,
-        ATTEND_BLOCK=kernels.attend_block, HAS_PREFIX=prefix_rows is not None, num_warps=num_warps,
-        num_stages=num_stages,
+        KVH=kv_heads, GROUP=num_heads // kv_heads, HEAD_DIM=head_dim, BLOCK_G=p.block_g, BLOCK_D=p.block_d,
+        BLOCK_N=p.block_n, NUM_SPLITS=p.num_splits, PRECISION=precision, INTERPRET=interpret,
+        ATTEND_BLOCK=kernels.attend_block, HAS_PREFIX=prefix_rows is not None, num_warps=p.num_warps,
+        num_stages=p.num_stages,
     )
     prefix = (prefix_rows, prefix_lens) if prefix_rows is not None else (positions, positions)  # unread without
-    grid = (n * kv_heads, num_splits)
-    if num_splits == 1:
+    grid = (n * kv_heads, p.num_splits)
+    if p.num_splits == 1:
         kernels.attn_fwd[grid](
             q, k_cache, v_cache, positions, *prefix, out, out,
             q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
             out.stride(0), out.stride(1), 0, **common,
         )
-        return out
-    part = torch.empty((n, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    lse = torch.empty((n, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        return
+    part = torch.empty((n, num_heads, p.num_splits, head_dim), dtype=torch.float32, device=q.device)
+    lse = torch.empty((n, num_heads, p.num_splits), dtype=torch.float32, device=q.device)
     kernels.attn_fwd[grid](
         q, k_cache, v_cache, positions, *prefix, part, lse,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -414,10 +448,9 @@ def decode_attention(
     )
     kernels.combine[(n * num_heads,)](
         part, lse, out, out.stride(0), out.stride(1),
-        H=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_S=max(2, _next_pow2(num_splits)), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+        H=num_heads, HEAD_DIM=head_dim, NUM_SPLITS=p.num_splits,
+        BLOCK_S=max(2, _next_pow2(p.num_splits)), BLOCK_D=p.block_d, num_warps=1 if p.block_d <= 64 else 2,
     )
-    return out
 
 
 @torch.library.custom_op("rlcli::decode_attention", mutates_args=())

@@ -18,7 +18,7 @@ class Evaluator:
     rank among all ranks, i.e. every rank evaluates).
     """
 
-    def __init__(self, env: Environment, backend, *, metrics_cfg=None, shard: tuple[int, int] | None = None):
+    def __init__(self, env: Environment, backend, *, shard: tuple[int, int] | None = None):
         recipe = env.recipe
         self.env = env
         self.eval_cfg = recipe.eval

@@ -29,14 +29,6 @@ def gather_to_main(obj: Any) -> list[Any] | None:
     return out
 
 
-def broadcast_from_main(obj: Any) -> Any:
-    if world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def merge_rule(key: str) -> str:
     """How a metric key is merged across ranks: "first", "sum", "max", "min" or "mean"."""
     if key.startswith("train/") or key.startswith("eval/") or key == "time":

@@ -6,10 +6,9 @@ from rlcli.component import ComputesGroups
 from rlcli.types import Group, Status
 
 
-def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=None, consumer_step=None):
+def sequences_from_groups(groups: list[Group], estimator):
     """Per-group advantages -> training sequences (FAILED members are left out)."""
     from rlcli.algo.advantage import AdvantageEstimator
-    from rlcli.replay_buffer import token_keep_mask
     from rlcli.train.data import TrainSequence
 
     seqs: list[TrainSequence] = []
@@ -24,10 +23,9 @@ def sequences_from_groups(groups: list[Group], estimator, token_stale_threshold=
         advantages = AdvantageEstimator.compute_groups(estimator, rewards, lengths)
     for members, adv in zip(kept, advantages):
         for s, a in zip(members, adv):
-            mask = token_keep_mask(s, consumer_step, token_stale_threshold) if consumer_step is not None \
-                else (s.response_mask or [1] * len(s.response_ids))
             seqs.append(TrainSequence(
-                prompt_ids=s.prompt_ids, response_ids=s.response_ids, response_mask=mask,
+                prompt_ids=s.prompt_ids, response_ids=s.response_ids,
+                response_mask=s.response_mask or [1] * len(s.response_ids),
                 rollout_logprobs=s.logprobs, advantage=float(a), temperature=s.temperature, seq_id=s.uid,
             ))
             adv_values.append(float(a))

@@ -4,9 +4,10 @@
 # compiles ROOT/main.py, installs an audit hook that enforces the file, process, network and
 # introspection policy described in sandbox.py, and then executes the code as ``__main__``.
 # Audit hooks cannot be removed once added. The hook reads nothing from module globals or
-# builtins at call time - everything it uses is bound as a default argument when it is made -
-# so code that replaces ``os.path.abspath`` or ``builtins.isinstance`` does not change its
-# decisions; it is not stored anywhere the sandboxed code can reach.
+# builtins at call time - everything it uses is bound when it is made, as a default argument
+# of the hook or a variable of the function that made its helpers - so code that replaces
+# ``os.path.abspath`` or ``builtins.isinstance`` does not change its decisions; it is not
+# stored anywhere the sandboxed code can reach.
 import sys
 
 
@@ -89,107 +90,127 @@ _DIR_FD_ARGS = {"os.mkdir": (2,), "os.rmdir": (1,), "os.remove": (1,), "os.renam
 _LINK_EVENTS = frozenset({"os.link", "os.symlink"})
 
 
-def _make_hook(root, read_roots, os):
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
-    dir_flags = getattr(os, "O_PATH", 0) | getattr(os, "O_DIRECTORY", 0)
+def _path_checks(root, read_roots, os):
+    """The hook's path helpers: ``deny``, ``as_text``, ``is_fd``, ``inside`` and ``check``.
 
-    def hook(event, args, _root=root, _roots=read_roots, _deny=_DENY, _blocked=_BLOCKED_MODULES,
-             _writes=_WRITE_EVENTS, _reads=_READ_EVENTS, _dir_fd_args=_DIR_FD_ARGS, _links=_LINK_EVENTS,
-             _wflags=write_flags, _dflags=dir_flags, _getcwd=os.getcwd, _stat=os.stat, _write=os.write,
-             _type=type, _str=str, _bytes=bytes, _int=int, _bool=bool, _len=len, _issubclass=issubclass,
-             _PermissionError=PermissionError, _OSError=OSError, _startswith=str.startswith,
-             _split=str.split, _join=str.join, _decode=bytes.decode, _as_str=str.__str__,
-             _as_bytes=bytes.__bytes__, _repr=repr, _encode=str.encode):
-        # Only exact types are trusted: str/bytes subclasses are read through the base class,
-        # and no method of an object the sandboxed code made is ever called.
+    Everything they use is bound here, when the hook is made, so they too read no module global
+    or builtin when called. Only exact types are trusted: str/bytes subclasses are read through
+    the base class, and no method of an object the sandboxed code made is ever called.
+    """
+    _getcwd, _write, _encode, _repr, _PermissionError = os.getcwd, os.write, str.encode, repr, PermissionError
+    _type, _str, _bytes, _int, _bool, _issubclass = type, str, bytes, int, bool, issubclass
+    _startswith, _split, _join = str.startswith, str.split, str.join
+    _decode, _as_str, _as_bytes = bytes.decode, str.__str__, bytes.__bytes__
 
-        def deny(what):
-            _write(2, _encode("[sandbox] denied " + what + "\n", "utf-8", "replace"))
-            raise _PermissionError("sandbox: " + what + " is not allowed")
+    def deny(what):
+        _write(2, _encode("[sandbox] denied " + what + "\n", "utf-8", "replace"))
+        raise _PermissionError("sandbox: " + what + " is not allowed")
 
-        def as_text(p):
-            t = _type(p)
-            if _issubclass(t, _str):
-                return _as_str(p)
-            if _issubclass(t, _bytes):
-                return _decode(_as_bytes(p), "utf-8", "surrogateescape")
-            return None
+    def as_text(p):
+        t = _type(p)
+        if _issubclass(t, _str):
+            return _as_str(p)
+        if _issubclass(t, _bytes):
+            return _decode(_as_bytes(p), "utf-8", "surrogateescape")
+        return None
 
-        def is_fd(p):
-            t = _type(p)
-            return _issubclass(t, _int) and not _issubclass(t, _bool)
+    def is_fd(p):
+        t = _type(p)
+        return _issubclass(t, _int) and not _issubclass(t, _bool)
 
-        def absolute(p):
-            if not _startswith(p, "/"):
-                p = _getcwd() + "/" + p
-            parts = []
-            for seg in _split(p, "/"):
-                if seg == "" or seg == ".":
-                    continue
-                if seg == "..":
-                    if parts:
-                        parts.pop()
-                    continue
-                parts.append(seg)
-            return "/" + _join("/", parts)
+    def absolute(p):
+        if not _startswith(p, "/"):
+            p = _getcwd() + "/" + p
+        parts = []
+        for seg in _split(p, "/"):
+            if seg == "" or seg == ".":
+                continue
+            if seg == "..":
+                if parts:
+                    parts.pop()
+                continue
+            parts.append(seg)
+        return "/" + _join("/", parts)
 
-        def inside(p, base):
-            return p == base or _startswith(p, base + "/")
+    def inside(p, base):
+        return p == base or _startswith(p, base + "/")
 
-        def check(p, write, what):
-            """Returns the absolute path (None for a descriptor); denies what the policy forbids."""
-            text = as_text(p)
-            if text is None:
-                if is_fd(p):
-                    return None  # an open descriptor: only ones opened under this policy exist
-                deny(what + " of a non-str path (pass paths as str)")
-            full = absolute(text)
-            if inside(full, _root):
-                return full
-            if not write:
-                for r in _roots:
-                    if inside(full, r):
-                        return full
-            deny(what + " " + _repr(full))
+    def check(p, write, what):
+        """Returns the absolute path (None for a descriptor); denies what the policy forbids."""
+        text = as_text(p)
+        if text is None:
+            if is_fd(p):
+                return None  # an open descriptor: only ones opened under this policy exist
+            deny(what + " of a non-str path (pass paths as str)")
+        full = absolute(text)
+        if inside(full, root):
+            return full
+        if not write:
+            for r in read_roots:
+                if inside(full, r):
+                    return full
+        deny(what + " " + _repr(full))
 
-        if event == "open":
-            path = args[0] if _len(args) > 0 else None
-            mode = args[1] if _len(args) > 1 else None
-            flags = args[2] if _len(args) > 2 else 0
-            if path is None:
+    return deny, as_text, is_fd, inside, check
+
+
+def _open_check(root, os, deny, is_fd, inside, check):
+    """The check of the ``open`` event: writes inside the sandbox, reads of regular files only."""
+    wflags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    dflags = getattr(os, "O_PATH", 0) | getattr(os, "O_DIRECTORY", 0)
+    _stat, _type, _str, _len, _repr, _OSError = os.stat, type, str, len, repr, OSError
+
+    def on_open(args):
+        path = args[0] if _len(args) > 0 else None
+        mode = args[1] if _len(args) > 1 else None
+        flags = args[2] if _len(args) > 2 else 0
+        if path is None:
+            return
+        write = is_fd(flags) and (flags & wflags) != 0
+        if _type(mode) is _str:
+            for c in "wax+":
+                if c in mode:
+                    write = True
+        full = check(path, write, "opening")
+        if full is not None and not inside(full, root):  # a read of the standard library
+            if is_fd(flags) and (flags & dflags):
+                deny("opening a directory outside the sandbox")
+            try:
+                st = _stat(full)
+            except _OSError:
                 return
-            write = is_fd(flags) and (flags & _wflags) != 0
-            if _type(mode) is _str:
-                for c in "wax+":
-                    if c in mode:
-                        write = True
-            full = check(path, write, "opening")
-            if full is not None and not inside(full, _root):  # a read of the standard library
-                if is_fd(flags) and (flags & _dflags):
-                    deny("opening a directory outside the sandbox")
-                try:
-                    st = _stat(full)
-                except _OSError:
-                    return
-                if (st.st_mode & 0o170000) != 0o100000:  # regular files only (no directory fds)
-                    deny("opening " + _repr(full) + " (not a regular file)")
+            if (st.st_mode & 0o170000) != 0o100000:  # regular files only (no directory fds)
+                deny("opening " + _repr(full) + " (not a regular file)")
+
+    return on_open
+
+
+def _make_hook(root, read_roots, os):
+    deny, as_text, is_fd, inside, check = _path_checks(root, read_roots, os)
+    on_open = _open_check(root, os, deny, is_fd, inside, check)
+
+    def hook(event, args, _on_open=on_open, _refuse=deny, _as_text=as_text, _check=check, _deny=_DENY,
+             _blocked=_BLOCKED_MODULES, _writes=_WRITE_EVENTS, _reads=_READ_EVENTS, _dir_fd_args=_DIR_FD_ARGS,
+             _links=_LINK_EVENTS, _len=len, _split=str.split):
+        if event == "open":
+            _on_open(args)
             return
         if event in _deny or event in _links:
-            deny(event)
+            _refuse(event)
         if event == "import":
-            name = as_text(args[0]) if args else None
+            name = _as_text(args[0]) if args else None
             if name is not None and _split(name, ".")[0] in _blocked:
-                deny("importing " + name)
+                _refuse("importing " + name)
             return
         if event in _writes or event in _reads:
             for i in _dir_fd_args.get(event, ()):
                 if _len(args) > i and args[i] is not None and args[i] != -1:
-                    deny(event + " with dir_fd")
+                    _refuse(event + " with dir_fd")
             if event not in _writes and (not args or args[0] is None):
                 return  # os.listdir() / os.scandir(): the working directory, always inside
             for a in args:
-                if as_text(a) is not None:
-                    check(a, event in _writes, event)
+                if _as_text(a) is not None:
+                    _check(a, event in _writes, event)
             return
 
     return hook
@@ -197,5 +218,5 @@ def _make_hook(root, read_roots, os):
 
 if __name__ == "__main__":  # run by `python -c`; importing this module does nothing
     _code = _setup()
-    del _setup, _make_hook
+    del _setup, _make_hook, _path_checks, _open_check
     exec(_code, {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "main.py"})

@@ -12,22 +12,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rlcli.backends.seeds import M64 as _M64
+from rlcli.backends.seeds import splitmix64 as _splitmix64
+
 # ------------------------------------------------------------------------------------------
 # Counter-based randomness
 # ------------------------------------------------------------------------------------------
 _M32 = 0xFFFFFFFF
-_M64 = 0xFFFFFFFFFFFFFFFF
 # Multiplier of a well-mixing 32-bit integer hash; below 2**31, so products of 32-bit values
 # stay below 2**63 and int64 tensor arithmetic never overflows.
 _HASH_MUL = 0x45D9F3B
-
-
-def _splitmix64(x: int) -> int:
-    """One step of the splitmix64 generator (exact Python integer arithmetic)."""
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
 
 
 def seed_keys(seed: int) -> tuple[int, int]:

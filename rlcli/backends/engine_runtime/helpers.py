@@ -10,9 +10,10 @@ import torch
 
 from rlcli.backends.base import GenerateRequest
 from rlcli.backends.engine_runtime.model_info import ModelInfo
+from rlcli.backends.seeds import M64 as _M64  # noqa: F401 - importable from engine_runtime as before
+from rlcli.backends.seeds import splitmix64 as _splitmix64
 from rlcli.types import SampleParams
 
-_M64 = 0xFFFFFFFFFFFFFFFF
 _SEED_MASK = 0x7FFFFFFFFFFFFFFF  # engines take seeds as signed 64-bit integers
 
 
@@ -105,13 +106,6 @@ def normalize_finish(reason: str | None, error: str | None, aborted: bool) -> tu
             return "abort", None
         return "error", error or "the engine aborted the request"
     return "error", error or f"the engine ended the request with finish reason {reason!r}"
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
 
 
 class SeedSequence:
