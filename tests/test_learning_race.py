@@ -79,9 +79,22 @@ def test_time_to_target_and_report(tmp_path):
     text = rt.report([tmp_path], tmp_path / "rep")
     assert "speed-up of rlcli's best (rlcli, 40.0 s) over trl (120.0 s): **3.00x**" in text
     assert "over trl-vllm (80.0 s): **2.00x**" in text
-    assert "run-to-run noise, rlcli, 2 seeds: time to target 40.0-44.0 s" in text
+    assert "run-to-run noise, rlcli, 2 runs: time to target 40.0-44.0 s" in text
     assert len([x for x in text.splitlines() if x.startswith(("| rlcli ", "| trl"))]) == 4
     assert (tmp_path / "rep" / "race.png").read_bytes()[:4] == b"\x89PNG"
+
+    # a second folder (another machine): runs are labelled by folder and recipe overrides, and
+    # speed-ups are only computed within a folder
+    other = tmp_path / "call-b"
+    other.mkdir()
+    nc = {**run("rlcli", 0, 0.5), "settings": {"prompts": 4, "group": 8, "rlcli_set": ["rollout.compile=false"]}}
+    (other / "rlcli-seed0.json").write_text(json.dumps(nc))
+    (other / "trl-seed0.json").write_text(json.dumps(run("trl", 0, 2.0)))
+    merged = rt.report([tmp_path, other], tmp_path / "merged")
+    assert "| rlcli [rollout.compile=false] <call-b> | 0 |" in merged
+    assert ("call-b, seed 0: speed-up of rlcli's best (rlcli [rollout.compile=false], 20.0 s) over trl (80.0 s): "
+            "**4.00x**") in merged
+    assert f"{tmp_path.name}, seed 0: speed-up of rlcli's best (rlcli, 40.0 s) over trl (120.0 s)" in merged
 
 
 def test_watch_logits_processors_drops_truncation(tiny_llama):

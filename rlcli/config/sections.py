@@ -199,7 +199,8 @@ class TrainWorkerConfig(Strict):
     logprob_chunk_size: int = Field(1024, gt=0, description="Tokens per chunk for logprob/entropy.")
     fused_logprob: bool = Field(
         True, description="On CUDA, torch.compile the per-chunk softmax math of logprob/entropy and its gradient "
-        "(two fused passes over the logits instead of about ten eager ones). Ignored on CPU.")
+        "(two fused passes over the logits instead of about ten eager ones; its compilation costs some seconds "
+        "of start-up, see rollout.compile). Ignored on CPU.")
     head_grad_in_forward: bool = Field(
         True, description="When every token's loss gradient is known before the forward pass (one optimizer "
         "step per batch, a ratio-only policy loss, no KL penalty or entropy bonus, no rollout IS weighting or masking), compute "

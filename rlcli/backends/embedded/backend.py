@@ -102,7 +102,9 @@ class EmbeddedBackend(InferenceBackend):
             None,
             description="torch.compile each decoder layer's decode step and the sampler (fuses their small "
             "operations; the first step pays a compilation of some seconds; a failed compilation falls back to "
-            "eager PyTorch with a warning). Default (null): on for CUDA, off on CPU.",
+            "eager PyTorch with a warning). Default (null): on for CUDA, off on CPU. For a small model in a short "
+            "run, off can reach an accuracy sooner: the compilation costs more than it saves (docs/benchmarks.md, "
+            "learning race).",
         )
 
     def __init__(self, config: "EmbeddedBackend.Config | None", ctx: BackendContext):
