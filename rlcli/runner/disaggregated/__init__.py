@@ -52,14 +52,14 @@ from rlcli.config import Recipe
 from rlcli.runner.setup import freeze_heap, thaw_heap
 from rlcli.runner.disaggregated.boot import _boot, _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _checkpoint_dir, _RolloutStub, _save_collective
-from rlcli.runner.disaggregated.protocol import _EXPIRED, _report, _RolloutClient
+from rlcli.runner.disaggregated.protocol import _report, _RolloutClient
 from rlcli.runner.disaggregated.rollout_side import RolloutSide, _sums
 from rlcli.runner.disaggregated.train_side import LEDGER, TrainSide, _Batch, _truncate_ledger, split_sequences
 from rlcli.runner.transport import broadcast
 
 __all__ = [
     "LEDGER", "RolloutSide", "TrainSide", "run_disaggregated", "split_sequences",
-    "_Batch", "_Boot", "_EXPIRED", "_RolloutClient", "_RolloutStub", "_boot", "_check_extra", "_checkpoint_dir",
+    "_Batch", "_Boot", "_RolloutClient", "_RolloutStub", "_boot", "_check_extra", "_checkpoint_dir",
     "_report", "_save_collective", "_sums", "_truncate_ledger",
 ]
 
