@@ -49,9 +49,12 @@ class RolloutSide:
         self.share = share(self.cfg.train_batch_size, self.index, n)  # this rank's groups of every step
         env = boot.env
         self.backend = env.build_backend(shard=shard)
-        tasks, pools = build_tasks(env, self.recipe.tasks, self.backend, salt="train", shard=shard)
+        interval = self.cfg.sync_weights_interval
+        tasks, pools = build_tasks(env, self.recipe.tasks, self.backend, salt="train", sync_weights_interval=interval,
+                                   shard=shard)
         self.manager = RolloutManager(tasks, self.recipe.replay_buffer.build(), self.backend, pools)
-        self.evaluator = Evaluator(env, self.backend, shard=shard) if self.cfg.enable_evaluate else None
+        self.evaluator = (Evaluator(env, self.recipe.eval, self.backend, sync_weights_interval=interval, shard=shard)
+                          if self.cfg.enable_evaluate else None)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="rlcli-rollout-loop", daemon=True)
         self._idle_s = 0.0

@@ -87,7 +87,8 @@ class TrainSide:
         self.work_dir = boot.work_dir
         env = boot.env
         self.n_train = len(self.placement.train)
-        self.schedule = Schedule.of(self.recipe, total_train_steps(self.recipe, env.tokenizer))
+        self.schedule = Schedule.of(self.cfg, self.recipe.eval,
+                                    total_train_steps(self.cfg, self.recipe.tasks, env.tokenizer))
         self.worker = env.build_train_worker(self.schedule.total_steps, process_group=self.ch.train)
         self.bucket_bytes = self.cfg.update_weight_bucket_mb * 1024 * 1024
         self.step = 0
@@ -97,7 +98,7 @@ class TrainSide:
         self.sync_weights_s = 0.0
         if self.main:
             self.estimator = self.recipe.advantage.build()
-            self.trackers = build_trackers(self.recipe, self.work_dir)
+            self.trackers = build_trackers(self.cfg.exp_tracker, self.work_dir, self.recipe._registry)
             self.rollout = _RolloutClient(self.ch)
             if self.schedule.evaluate:
                 self.eval_tasks = [t.task_name for t in self.recipe.eval.tasks]
