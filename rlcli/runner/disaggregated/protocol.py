@@ -80,7 +80,14 @@ class Stopped:
 
 # ----------------------------------------------------------------------------- commands
 @dataclass(frozen=True)
-class GetBatch:
+class Command:
+    """What train rank 0 sends a rollout rank; ``reply`` is the kind of answer it then waits for."""
+
+    reply: ClassVar[type | None] = None  # None: the command is not answered
+
+
+@dataclass(frozen=True)
+class GetBatch(Command):
     """Answer this rank's groups of ``step``."""
 
     step: int
@@ -88,31 +95,29 @@ class GetBatch:
 
 
 @dataclass(frozen=True)
-class PauseProduce:
+class PauseProduce(Command):
     """Pause production (before a weight sync, evaluation or checkpoint)."""
 
     reply: ClassVar[type | None] = Paused
 
 
 @dataclass(frozen=True)
-class ContinueProduce:
+class ContinueProduce(Command):
     """Resume production; the replica now serves the policy of ``model_step``."""
 
     model_step: int
-    reply: ClassVar[type | None] = None
 
 
 @dataclass(frozen=True)
-class SyncWeights:
+class SyncWeights(Command):
     """A weight update to policy ``version`` follows on the ``weights`` group (rollout ranks receive
     it; as an order, the other train ranks take part in gathering it)."""
 
     version: int
-    reply: ClassVar[type | None] = None
 
 
 @dataclass(frozen=True)
-class Evaluate:
+class Evaluate(Command):
     """Evaluate this rank's share of the eval prompts at ``step`` (production is paused)."""
 
     step: int
@@ -120,21 +125,17 @@ class Evaluate:
 
 
 @dataclass(frozen=True)
-class SaveCheckpoint:
+class SaveCheckpoint(Command):
     """Join the job-wide checkpoint save of ``step`` (production is paused)."""
 
     step: int
-    reply: ClassVar[type | None] = None
 
 
 @dataclass(frozen=True)
-class Stop:
+class Stop(Command):
     """The run is over: shut down and leave the loop."""
 
     reply: ClassVar[type | None] = Stopped
-
-
-Command = Union[GetBatch, PauseProduce, ContinueProduce, SyncWeights, Evaluate, SaveCheckpoint, Stop]
 
 
 # ------------------------------------------------------------------- orders (train group)
