@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from rlcli.cli import cli
 from rlcli.config import TRAIN_RESOURCES, ROLLOUT_RESOURCES, resolve_placement
 from rlcli.runner.disaggregated import LEDGER, _truncate_ledger, split_sequences
+from rlcli.runner.disaggregated.protocol import BatchReply, GetBatch, expect
 from rlcli.runner.transport import pack_bucket, unpack_bucket
 
 RLCLI = [sys.executable, "-m", "rlcli.cli"]
@@ -172,9 +173,9 @@ class _ScriptedRollout:
     def send(self, i, msg):
         self.log.append(("send", i, msg))
 
-    def recv(self, i):
+    def recv(self, i, kind):
         self.log.append(("recv", i))
-        return self.script[i].pop(0)
+        return expect(self.script[i].pop(0), kind, self.ranks[i])
 
     def pause(self):
         self.log.append(("pause",))
@@ -185,27 +186,66 @@ class _ScriptedRollout:
 
 def test_empty_expired_answer_syncs_the_previous_version_and_asks_that_rank_again():
     # behaviour 31 with two rollout ranks: rank 0 must wait for newer weights, rank 1 already answered
+    from rlcli.produce import ProduceStatus
     from rlcli.runner.records import Timer
     from rlcli.runner.disaggregated import TrainSide
     from rlcli.types import Group
 
-    def answer(gid, status="normal"):
-        return {"groups": [Group(gid, "t", [])], "status": status, "metrics": {"rollout/samples": 1.0,
-                                                                              "rollout/tokens": 3.0}}
+    def answer(gid, status=ProduceStatus.NORMAL):
+        return BatchReply([Group(gid, "t", [])], status, {"rollout/samples": 1.0, "rollout/tokens": 3.0})
 
-    expired = {"groups": [], "status": "expired_batch", "metrics": {}}
-    ro = _ScriptedRollout({0: [expired, answer(1, "expired_batch")], 1: [answer(2)]})
+    expired = BatchReply([], ProduceStatus.EXPIRED_BATCH, {})
+    ro = _ScriptedRollout({0: [expired, answer(1, ProduceStatus.EXPIRED_BATCH)], 1: [answer(2)]})
     side = TrainSide.__new__(TrainSide)
     side.rollout, side.timer = ro, Timer()
     side._push_weights = lambda version: ro.log.append(("weights", version))
     batch = side._collect(5)
-    assert ro.log == [("send", 0, ("batch", 5)), ("send", 1, ("batch", 5)), ("recv", 0), ("recv", 1),
+    assert ro.log == [("send", 0, GetBatch(5)), ("send", 1, GetBatch(5)), ("recv", 0), ("recv", 1),
                       ("pause",), ("weights", 4), ("continue", 4),
-                      ("send", 0, ("batch", 5)), ("recv", 0)]
+                      ("send", 0, GetBatch(5)), ("recv", 0)]
     assert [g.group_id for g in batch.groups] == [1, 2]  # in rollout-rank order, nothing asked twice
     assert batch.expired  # rank 0's producer still waits: the step ends with a sync
     assert batch.metrics["sync/expired_retries"] == 1 and batch.metrics["rollout/tokens"] == 6
     assert batch.metrics["timing/wait_for_batch_s"] >= 0
+
+
+def test_every_message_kind_pickles_and_names_its_reply():
+    import dataclasses
+    import pickle
+
+    from rlcli.produce import ProduceStatus
+    from rlcli.runner.disaggregated import protocol as p
+    from rlcli.types import Group
+
+    messages = [p.GetBatch(3), p.PauseProduce(), p.ContinueProduce(2), p.SyncWeights(2), p.Evaluate(4),
+                p.SaveCheckpoint(4), p.Stop(), p.TrainStep(), p.ExportHF(5), p.Paused(), p.Stopped(),
+                p.BatchReply([Group(1, "t", [])], ProduceStatus.NORMAL, {"rollout/tokens": 3.0}),
+                p.EvalReply([], {"eval/judge/calls": 1.0})]
+    for m in messages:
+        assert dataclasses.is_dataclass(m) and type(m).__dataclass_params__.frozen, m
+        assert pickle.loads(pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL)) == m
+    replies = {c.__name__: c.reply for c in (p.GetBatch, p.PauseProduce, p.ContinueProduce, p.SyncWeights,
+                                             p.Evaluate, p.SaveCheckpoint, p.Stop)}
+    assert replies == {"GetBatch": p.BatchReply, "PauseProduce": p.Paused, "ContinueProduce": None,
+                       "SyncWeights": None, "Evaluate": p.EvalReply, "SaveCheckpoint": None, "Stop": p.Stopped}
+    empty = p.BatchReply([], ProduceStatus.EXPIRED_BATCH, {})
+    assert empty.expired and empty.waits_for_weights
+    assert messages[11].expired is False and not messages[11].waits_for_weights
+
+
+def test_a_wrong_reply_or_an_unknown_command_is_named(monkeypatch):
+    from types import SimpleNamespace
+
+    from rlcli.runner.disaggregated import RolloutSide, rollout_side
+    from rlcli.runner.disaggregated.protocol import Paused
+
+    with pytest.raises(RuntimeError, match=r"rollout rank 6 answered Paused\(\), expected a BatchReply"):
+        expect(Paused(), BatchReply, 6)
+    side = RolloutSide.__new__(RolloutSide)
+    side.placement, side.ch, side.boot = SimpleNamespace(train0=0), SimpleNamespace(command=None), SimpleNamespace(rank=1)
+    monkeypatch.setattr(rollout_side, "recv", lambda src, group: ("batch", 5))
+    with pytest.raises(RuntimeError, match=r"rollout rank 1: unknown command \('batch', 5\) from train rank 0"):
+        side.run()
 
 
 # ================================================================================ runs

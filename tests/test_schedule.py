@@ -168,21 +168,25 @@ def test_built_from_the_trainer_section(repo, raw, monkeypatch):
     monkeypatch.chdir(repo)
     raw["trainer"].update(sync_weights_interval=5, evaluate_step=25, checkpoint_interval=50, hf_interval=None)
     rec = validate_recipe(raw, source=str(repo / "recipes" / "quickstart.yaml"))
-    s = Schedule.of(rec, 300)
+    s = Schedule.of(rec.trainer, rec.eval, 300)
     assert s == Schedule(total_steps=300, sync_interval=5, evaluate=True, initial_evaluate=True, evaluate_step=25,
                          checkpoint_interval=50, hf_interval=None)
     raw["trainer"]["enable_evaluate"] = False
     rec = validate_recipe(raw, source=str(repo / "recipes" / "quickstart.yaml"))
-    assert not Schedule.of(rec, 300).evaluate
+    assert not Schedule.of(rec.trainer, rec.eval, 300).evaluate
+
+
+def steps_of(recipe, tokenizer) -> int:
+    return total_train_steps(recipe.trainer, recipe.tasks, tokenizer)
 
 
 def test_total_train_steps_from_steps_or_epochs(repo, raw, monkeypatch):
     monkeypatch.chdir(repo)
     src = str(repo / "recipes" / "quickstart.yaml")
-    assert total_train_steps(validate_recipe(raw, source=src), tokenizer=None) == 300
+    assert steps_of(validate_recipe(raw, source=src), tokenizer=None) == 300
     raw["trainer"].update(total_train_steps=None, total_epochs=3, train_batch_size=30)  # 100 prompts
     from rlcli.tokenizer import load_tokenizer
 
-    assert total_train_steps(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 100 // 30 * 3
+    assert steps_of(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 100 // 30 * 3
     raw["trainer"].update(train_batch_size=1000, total_epochs=1)
-    assert total_train_steps(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 1  # at least 1
+    assert steps_of(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 1  # at least 1

@@ -63,19 +63,21 @@ class ColocateRunner:
             ckpt = latest_checkpoint(self.work_dir / "checkpoints")
         seed_everything(self.cfg.seed + rank)
         self.env = env = Environment(recipe, self.work_dir)
-        self.schedule = Schedule.of(recipe, total_train_steps(recipe, env.tokenizer))
+        self.schedule = Schedule.of(self.cfg, recipe.eval, total_train_steps(self.cfg, recipe.tasks, env.tokenizer))
         self.local_batch = share(self.cfg.train_batch_size, rank, world)  # this rank's groups of every step
         if self.local_batch == 0:
             raise ValueError(f"trainer.train_batch_size={self.cfg.train_batch_size} is smaller than the "
                              f"number of ranks ({world}); every rank needs at least one group")
         self.timer = Timer()
-        self.trackers = build_trackers(recipe, self.work_dir) if self.main else []
+        self.trackers = build_trackers(self.cfg.exp_tracker, self.work_dir, recipe._registry) if self.main else []
         self.worker = env.build_train_worker(self.schedule.total_steps)
         self.estimator = recipe.advantage.build()
         self.backend = env.build_backend()
-        tasks, pools = build_tasks(env, recipe.tasks, self.backend, salt="train")
+        interval = self.cfg.sync_weights_interval
+        tasks, pools = build_tasks(env, recipe.tasks, self.backend, salt="train", sync_weights_interval=interval)
         self.manager = RolloutManager(tasks, recipe.replay_buffer.build(), self.backend, pools)
-        self.evaluator = Evaluator(env, self.backend) if self.schedule.evaluate else None
+        self.evaluator = (Evaluator(env, recipe.eval, self.backend, sync_weights_interval=interval)
+                          if self.schedule.evaluate else None)
         self.loop = asyncio.new_event_loop()
         self.step = 0
         if ckpt is not None:

@@ -32,7 +32,7 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
         for bucket in worker.iter_weights():
             backend.update_weights(bucket, int(extra.get("step", 0)))
         del worker
-    evaluator = Evaluator(env, backend)
+    evaluator = Evaluator(env, recipe.eval, backend, sync_weights_interval=recipe.trainer.sync_weights_interval)
     loop = asyncio.new_event_loop()
     try:
         samples = loop.run_until_complete(evaluator.run(step=0))

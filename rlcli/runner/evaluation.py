@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from rlcli.config import EvalConfig
 from rlcli.dist import rank, world_size
 from rlcli.produce.manager import engine_metrics
 from rlcli.runner.setup import Environment, build_tasks
@@ -12,20 +13,22 @@ from rlcli.types import Sample
 
 
 class Evaluator:
-    """Runs the recipe's eval tasks on the same fixed prompts every time and reduces metrics.
+    """Runs the recipe's eval tasks (its ``eval`` section) on the same fixed prompts every time and
+    reduces metrics.
 
-    ``shard=(index, count)``: the share of the eval prompts this process rolls out (default: its
-    rank among all ranks, i.e. every rank evaluates).
+    ``sync_weights_interval``: ``trainer.sync_weights_interval`` (the tasks' produce strategies are
+    built with it). ``shard=(index, count)``: the share of the eval prompts this process rolls out
+    (default: its rank among all ranks, i.e. every rank evaluates).
     """
 
-    def __init__(self, env: Environment, backend, *, shard: tuple[int, int] | None = None):
-        recipe = env.recipe
+    def __init__(self, env: Environment, eval_cfg: EvalConfig, backend, *, sync_weights_interval: int,
+                 shard: tuple[int, int] | None = None):
         self.env = env
-        self.eval_cfg = recipe.eval
+        self.eval_cfg = eval_cfg
         self.shard = shard
-        self.tasks, self.pools = build_tasks(env, recipe.eval.tasks, backend, salt="eval", eval_mode=True,
-                                             shard=shard)
-        self.metric_components = [m.build() for m in recipe.eval.evaluator.metrics]
+        self.tasks, self.pools = build_tasks(env, eval_cfg.tasks, backend, salt="eval",
+                                             sync_weights_interval=sync_weights_interval, eval_mode=True, shard=shard)
+        self.metric_components = [m.build() for m in eval_cfg.evaluator.metrics]
         self.backend = backend
 
     def _shard(self) -> tuple[int, int]:

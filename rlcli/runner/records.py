@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rlcli.config import Recipe
+from rlcli.config import ComponentSpec
 from rlcli.fsutil import write_jsonl
 from rlcli.plugins import get_registry
 from rlcli.types import Group, Sample
@@ -41,14 +41,13 @@ class Timer:
         return out
 
 
-def build_trackers(recipe: Recipe, work_dir: Path) -> list:
-    """The recipe's experiment trackers, plus ``jsonl`` (metrics.jsonl) when it is not listed."""
-    reg = recipe._registry or get_registry()
-    names = [t.name for t in recipe.trainer.exp_tracker]
-    specs = list(recipe.trainer.exp_tracker)
+def build_trackers(trackers: list[ComponentSpec], work_dir: Path, registry=None) -> list:
+    """The experiment trackers ``trainer.exp_tracker`` lists, plus ``jsonl`` (metrics.jsonl) when it is
+    not listed, that one from ``registry`` (the recipe's; default: the global registry)."""
+    reg = registry or get_registry()
+    names = [t.name for t in trackers]
+    specs = list(trackers)
     if "jsonl" not in names:
-        from rlcli.config import ComponentSpec
-
         spec = ComponentSpec(name="jsonl")
         spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
         specs.append(spec)

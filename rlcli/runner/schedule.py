@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rlcli.config import Recipe
+from rlcli.config import EvalConfig, TaskConfig, TrainerConfig
 
 
 def share(total: int, index: int, count: int) -> int:
@@ -24,13 +24,13 @@ def share(total: int, index: int, count: int) -> int:
     return total // count + (index < total % count)
 
 
-def total_train_steps(recipe: Recipe, tokenizer) -> int:
-    """``trainer.total_train_steps``, else prompts // train_batch_size × total_epochs (at least 1)."""
-    cfg = recipe.trainer
+def total_train_steps(cfg: TrainerConfig, tasks: list[TaskConfig], tokenizer) -> int:
+    """``trainer.total_train_steps``, else the prompts of ``tasks`` // train_batch_size × total_epochs
+    (at least 1)."""
     if cfg.total_train_steps is not None:
         return cfg.total_train_steps
     n_prompts = sum(len(tc.sampler.build(tokenizer=tokenizer, task_name=tc.task_name, seed=0))
-                    for tc in recipe.tasks)
+                    for tc in tasks)
     return max(1, n_prompts // cfg.train_batch_size * cfg.total_epochs)
 
 
@@ -49,11 +49,11 @@ class Schedule:
     hf_interval: int | None = -1
 
     @classmethod
-    def of(cls, recipe: Recipe, total_steps: int) -> Schedule:
-        cfg = recipe.trainer
+    def of(cls, cfg: TrainerConfig, eval_cfg: EvalConfig | None, total_steps: int) -> Schedule:
+        """The schedule of the recipe's ``trainer`` section (``eval``: whether there are eval tasks to run)."""
         return cls(
             total_steps=total_steps, sync_interval=cfg.sync_weights_interval,
-            evaluate=bool(cfg.enable_evaluate and recipe.eval is not None and recipe.eval.tasks),
+            evaluate=bool(cfg.enable_evaluate and eval_cfg is not None and eval_cfg.tasks),
             initial_evaluate=cfg.enable_initial_evaluate, evaluate_step=cfg.evaluate_step,
             checkpoint_interval=cfg.checkpoint_interval, hf_interval=cfg.hf_interval,
         )

@@ -109,10 +109,13 @@ def prepare_work_dir(work_dir: Path, *, auto_resume: bool, overwrite: bool) -> P
 
 
 class Environment:
-    """Device, dtype, model directory and tokenizer of a run."""
+    """Device, dtype, model directory and tokenizer of a run, and the builders of its inference backend
+    and train worker. It reads the recipe's ``resources``, ``model``, ``trainer.seed``, ``rollout`` and
+    ``train_worker`` and keeps only those sections."""
 
     def __init__(self, recipe: Recipe, work_dir: Path):
-        self.recipe, self.work_dir = recipe, work_dir
+        self.work_dir = work_dir
+        self.model_cfg, self.rollout_spec, self.worker_cfg = recipe.model, recipe.rollout, recipe.train_worker
         quiet_transformers()
         if recipe._source is not None:
             RECIPE_DIR.set(recipe._source.resolve().parent)
@@ -141,15 +144,15 @@ class Environment:
             pad_token_id=self.tokenizer.pad_token_id, seed=self.seed, version=version,
             rank=index, world_size=replicas,
         )
-        return self.recipe.rollout.build(ctx=ctx)
+        return self.rollout_spec.build(ctx=ctx)
 
     def build_train_worker(self, total_steps: int, process_group=None) -> TrainWorker:
         """The trainer of ``recipe.model`` with ``recipe.train_worker`` (its loss included) on this rank's
         device; ``total_steps`` sizes the LR schedule, ``process_group`` the FSDP group (default: all ranks)."""
         from rlcli.train.worker import TrainWorker
 
-        cfg = self.recipe.train_worker
-        return TrainWorker(self.model_dir, self.recipe.model, cfg, cfg.loss.build(), device=self.device,
+        cfg = self.worker_cfg
+        return TrainWorker(self.model_dir, self.model_cfg, cfg, cfg.loss.build(), device=self.device,
                            dtype=self.dtype, seed=self.seed, total_steps=total_steps, process_group=process_group)
 
 
@@ -159,13 +162,14 @@ def build_judge_pool(task_cfg: TaskConfig):
     return JudgePool(task_cfg.judger.build())
 
 
-def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, eval_mode: bool = False,
-                shard: tuple[int, int] | None = None):
+def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, sync_weights_interval: int,
+                eval_mode: bool = False, shard: tuple[int, int] | None = None):
     """Runtime :class:`Task` objects (and their judge pools) for a list of task configs.
 
+    ``sync_weights_interval``: ``trainer.sync_weights_interval``, which the produce strategies are built with.
     ``shard=(index, count)``: this process's share of the prompts (default: its rank among all ranks).
     """
-    interval = env.recipe.trainer.sync_weights_interval
+    interval = sync_weights_interval
     index, count = shard if shard is not None else (env.rank, env.world_size)
     tasks, pools = [], []
     for tc in task_cfgs:

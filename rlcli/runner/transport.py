@@ -7,11 +7,13 @@ Every rank of the job creates the same process groups, in the same order (:meth:
 ``reply``     the same ranks; answers from the rollout ranks to train rank 0, point to point (gloo)
 ``weights``   the same ranks; weight buckets broadcast from train rank 0 (device backend: NCCL on GPU)
 
-Commands and replies are pickled Python objects (a size, then the bytes) on two groups of their
-own, so a rollout rank's blocking wait for the next command never shares a communicator with its
-answers or with a weight transfer. A weight update is a sequence of buckets,
-each announced by a small manifest (names, dtypes, shapes, offsets, policy version) and then sent
-as one flat byte buffer of bounded size; an empty manifest ends the update.
+Commands and replies (the message classes of :mod:`rlcli.runner.disaggregated.protocol`) are
+pickled Python objects (a size, then the bytes) on two groups of their own, so a rollout rank's
+blocking wait for the next command never shares a communicator with its answers or with a weight
+transfer. Nothing restricts what is unpickled: every peer is a rank of the same job, launched
+together from the same code. A weight update is a sequence of buckets, each announced by a small
+manifest (names, dtypes, shapes, offsets, policy version) and then sent as one flat byte buffer of
+bounded size; an empty manifest ends the update.
 
 Failures are loud, not silent: a rank that raises first sends a :class:`RemoteError` (with its
 traceback, bounded wait) to the peer it works with, then exits, and the launcher stops every other

@@ -10,7 +10,8 @@ One launch (``rlcli train RECIPE --nproc-per-node N``), two roles, set by
   buffer with groups for future steps - at most as far ahead of the policy it serves as the
   staleness bound allows. Each rollout rank rolls out its own shard of the prompts.
 
-Step ``t``, driven by train rank 0 (messages: :mod:`rlcli.runner.transport`)::
+Step ``t``, driven by train rank 0 (messages: :mod:`~rlcli.runner.disaggregated.protocol`, carried by
+:mod:`rlcli.runner.transport`)::
 
     get_batch(t) on every rollout rank           an empty EXPIRED_BATCH answer: that rank needs newer
                                                  weights - pause, push version t-1, continue, ask again
@@ -39,7 +40,8 @@ The heap built at start-up (torch, transformers, the models) is frozen out of th
 collector: otherwise each full collection stalls a rank for ~0.2 s on a small CPU.
 
 The code, one responsibility per module: ``boot`` (joining the job, the placement, the work dir),
-``protocol`` (train rank 0's commands to the rollout ranks, failure reports), ``train_side``
+``protocol`` (the typed messages: commands to the rollout ranks, their replies, orders to the other
+train ranks; train rank 0's client; failure reports), ``train_side``
 (:class:`TrainSide`), ``rollout_side`` (:class:`RolloutSide`), ``checkpoint`` (the collective
 save, resume checks); :func:`run_disaggregated`, every rank's entry point, is here.
 """
@@ -52,14 +54,14 @@ from rlcli.config import Recipe
 from rlcli.runner.setup import freeze_heap, thaw_heap
 from rlcli.runner.disaggregated.boot import _boot, _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _checkpoint_dir, _RolloutStub, _save_collective
-from rlcli.runner.disaggregated.protocol import _EXPIRED, _report, _RolloutClient
+from rlcli.runner.disaggregated.protocol import _report, _RolloutClient
 from rlcli.runner.disaggregated.rollout_side import RolloutSide, _sums
 from rlcli.runner.disaggregated.train_side import LEDGER, TrainSide, _Batch, _truncate_ledger, split_sequences
 from rlcli.runner.transport import broadcast
 
 __all__ = [
     "LEDGER", "RolloutSide", "TrainSide", "run_disaggregated", "split_sequences",
-    "_Batch", "_Boot", "_EXPIRED", "_RolloutClient", "_RolloutStub", "_boot", "_check_extra", "_checkpoint_dir",
+    "_Batch", "_Boot", "_RolloutClient", "_RolloutStub", "_boot", "_check_extra", "_checkpoint_dir",
     "_report", "_save_collective", "_sums", "_truncate_ledger",
 ]
 

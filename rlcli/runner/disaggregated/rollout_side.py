@@ -13,7 +13,10 @@ from typing import Any, Callable
 from rlcli.produce.manager import RolloutManager
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _RolloutStub, _save_collective
-from rlcli.runner.disaggregated.protocol import _report
+from rlcli.runner.disaggregated.protocol import (
+    BatchReply, ContinueProduce, EvalReply, Evaluate, GetBatch, Paused, PauseProduce, SaveCheckpoint, Stop, Stopped,
+    SyncWeights, _report,
+)
 from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.schedule import share
 from rlcli.runner.setup import build_tasks
@@ -46,9 +49,12 @@ class RolloutSide:
         self.share = share(self.cfg.train_batch_size, self.index, n)  # this rank's groups of every step
         env = boot.env
         self.backend = env.build_backend(shard=shard)
-        tasks, pools = build_tasks(env, self.recipe.tasks, self.backend, salt="train", shard=shard)
+        interval = self.cfg.sync_weights_interval
+        tasks, pools = build_tasks(env, self.recipe.tasks, self.backend, salt="train", sync_weights_interval=interval,
+                                   shard=shard)
         self.manager = RolloutManager(tasks, self.recipe.replay_buffer.build(), self.backend, pools)
-        self.evaluator = Evaluator(env, self.backend, shard=shard) if self.cfg.enable_evaluate else None
+        self.evaluator = (Evaluator(env, self.recipe.eval, self.backend, sync_weights_interval=interval, shard=shard)
+                          if self.cfg.enable_evaluate else None)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="rlcli-rollout-loop", daemon=True)
         self._idle_s = 0.0
@@ -96,31 +102,32 @@ class RolloutSide:
         src = self.placement.train0
         while True:
             msg = recv(src, self.ch.command)
-            op, args = msg[0], msg[1:]
-            if op == "batch":
-                self._reply(self._batch(*args))
-            elif op == "pause":
-                self.call(self.manager.pause_produce())
-                self._reply("paused")
-            elif op == "continue":
-                self.call(self.manager.continue_produce(args[0]))
-            elif op == "weights":
-                self._receive_weights()
-            elif op == "eval":
-                self._reply(self._evaluate(args[0]))
-            elif op == "checkpoint":
-                self._save(args[0])
-            elif op == "stop":
-                self.call(self.manager.shutdown())
-                self._reply("stopped")
-                return
-            else:
-                raise RuntimeError(f"rollout rank {self.boot.rank}: unknown command {op!r} from train rank {src}")
+            match msg:
+                case GetBatch(step=step):
+                    self._reply(self._batch(step))
+                case PauseProduce():
+                    self.call(self.manager.pause_produce())
+                    self._reply(Paused())
+                case ContinueProduce(model_step=model_step):
+                    self.call(self.manager.continue_produce(model_step))
+                case SyncWeights():
+                    self._receive_weights()
+                case Evaluate(step=step):
+                    self._reply(self._evaluate(step))
+                case SaveCheckpoint(step=step):
+                    self._save(step)
+                case Stop():
+                    self.call(self.manager.shutdown())
+                    self._reply(Stopped())
+                    return
+                case _:
+                    raise RuntimeError(f"rollout rank {self.boot.rank}: unknown command {msg!r} "
+                                       f"from train rank {src}")
 
-    def _reply(self, obj: Any) -> None:
+    def _reply(self, obj: BatchReply | Paused | EvalReply | Stopped) -> None:
         send(obj, self.placement.train0, self.ch.reply)
 
-    def _batch(self, step: int) -> dict[str, Any]:
+    def _batch(self, step: int) -> BatchReply:
         res = self.call(self.manager.get_batch(self.share, step))
         metrics = dict(res.metrics)
         for k, v in self._stash.items():
@@ -128,18 +135,18 @@ class RolloutSide:
                 metrics[k] = metrics.get(k, 0.0) + v
         if not res.groups:  # EXPIRED_BATCH: this step is asked again after a sync; keep its counters
             self._stash = metrics
-            return {"groups": [], "status": res.status.value, "metrics": {}}
+            return BatchReply([], res.status, {})
         self._stash = {}
         idle, self._idle_s = self._idle_s, 0.0
         metrics["timing/rollout_idle_s"] = idle
         metrics["rollout/producer_lead_steps"] = float(self.manager.producer_future_step - step - 1)
-        return {"groups": res.groups, "status": res.status.value, "metrics": metrics}
+        return BatchReply(res.groups, res.status, metrics)
 
     def _receive_weights(self) -> None:
         for bucket, version in receive_weights(self.ch.weights, self.placement.train0, self.boot.env.device):
             self.call_sync(lambda b=bucket, v=version: self.backend.update_weights(b, v))
 
-    def _evaluate(self, step: int) -> dict[str, Any]:
+    def _evaluate(self, step: int) -> EvalReply:
         if self.evaluator is None:
             raise RuntimeError("evaluation requested but trainer.enable_evaluate is false on this rank")
         self._evaluating = True
@@ -149,7 +156,7 @@ class RolloutSide:
         finally:
             self._evaluating = False
         self.call_sync(self.backend.pause)  # production stays paused until continue_produce
-        return {"samples": samples, "judge_stats": stats}
+        return EvalReply(samples, stats)
 
     def _save(self, step: int) -> None:
         from rlcli.train import checkpoint as ckpt

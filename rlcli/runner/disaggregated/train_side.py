@@ -18,7 +18,10 @@ from tqdm.auto import tqdm
 from rlcli.fsutil import write_jsonl
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _save_collective
-from rlcli.runner.disaggregated.protocol import _EXPIRED, _report, _RolloutClient
+from rlcli.runner.disaggregated.protocol import (
+    BatchReply, Evaluate, ExportHF, GetBatch, Order, SaveCheckpoint, Stop, SyncWeights, TrainStep, _report,
+    _RolloutClient,
+)
 from rlcli.runner.evaluation import eval_metrics
 from rlcli.runner.ranks import merge_metrics
 from rlcli.runner.records import (
@@ -84,7 +87,8 @@ class TrainSide:
         self.work_dir = boot.work_dir
         env = boot.env
         self.n_train = len(self.placement.train)
-        self.schedule = Schedule.of(self.recipe, total_train_steps(self.recipe, env.tokenizer))
+        self.schedule = Schedule.of(self.cfg, self.recipe.eval,
+                                    total_train_steps(self.cfg, self.recipe.tasks, env.tokenizer))
         self.worker = env.build_train_worker(self.schedule.total_steps, process_group=self.ch.train)
         self.bucket_bytes = self.cfg.update_weight_bucket_mb * 1024 * 1024
         self.step = 0
@@ -94,7 +98,7 @@ class TrainSide:
         self.sync_weights_s = 0.0
         if self.main:
             self.estimator = self.recipe.advantage.build()
-            self.trackers = build_trackers(self.recipe, self.work_dir)
+            self.trackers = build_trackers(self.cfg.exp_tracker, self.work_dir, self.recipe._registry)
             self.rollout = _RolloutClient(self.ch)
             if self.schedule.evaluate:
                 self.eval_tasks = [t.task_name for t in self.recipe.eval.tasks]
@@ -155,24 +159,24 @@ class TrainSide:
             ro.stop()
             if not (self.work_dir / "hf" / f"step-{total}").exists():  # killed between checkpoint and export
                 self._export_hf(total)
-        self._op("stop")
+        self._op(Stop())
         return last
 
     def _collect(self, step: int) -> _Batch:
         """The batch of ``step`` from every rollout rank; a rank that answers an empty EXPIRED_BATCH
         needs the trainer's newer weights first: sync at ``step - 1`` and ask it again."""
         ro = self.rollout
-        parts: dict[int, dict] = {}
+        parts: dict[int, BatchReply] = {}
         need = list(range(len(ro)))
         waited, retries = 0.0, 0
         while need:
             t0 = time.perf_counter()
             for i in need:
-                ro.send(i, ("batch", step))
-            replies = {i: ro.recv(i) for i in need}
+                ro.send(i, GetBatch(step))
+            replies = {i: ro.recv(i, BatchReply) for i in need}
             waited += time.perf_counter() - t0
             for i, rep in replies.items():
-                if rep["groups"] or rep["status"] != _EXPIRED:
+                if not rep.waits_for_weights:
                     parts[i] = rep
             need = [i for i in need if i not in parts]
             if need:
@@ -183,21 +187,21 @@ class TrainSide:
                     ro.pause()
                     self._push_weights(step - 1)
                 ro.continue_(step - 1)
-        groups = [g for i in range(len(ro)) for g in parts[i]["groups"]]
-        metrics = merge_metrics([parts[i]["metrics"] for i in range(len(ro))])
+        groups = [g for i in range(len(ro)) for g in parts[i].groups]
+        metrics = merge_metrics([parts[i].metrics for i in range(len(ro))])
         metrics.update({
             "timing/wait_for_batch_s": waited,  # the trainer idle, waiting for rollout
             "timing/rollout_s": waited,  # rollout time not hidden behind training
             "sync/expired_retries": float(retries),
         })
-        return _Batch(groups, metrics, any(parts[i]["status"] == _EXPIRED for i in parts))
+        return _Batch(groups, metrics, any(parts[i].expired for i in parts))
 
     def _train(self, groups: list[Group]) -> dict[str, float]:
         seqs, adv = sequences_from_groups(groups, self.estimator)
         parts = split_sequences(seqs, self.n_train)
         mine = parts[0]
         if self.n_train > 1:
-            self._op("train")
+            self._op(TrainStep())
             box: list[Any] = [None]
             dist.scatter_object_list(box, parts, src=self.placement.train0, group=self.ch.train)
             mine = box[0]
@@ -206,8 +210,8 @@ class TrainSide:
     def _push_weights(self, version: int) -> None:
         """Broadcast the trainer's weights (policy ``version``) to every rollout rank, bucket by bucket."""
         t0 = time.perf_counter()
-        self._op("weights", version)
-        self.rollout.send_all(("weights", version))
+        self._op(SyncWeights(version))
+        self.rollout.send_all(SyncWeights(version))
         sender = WeightSender(self.ch.weights, self.placement.train0)
         for bucket in self.worker.iter_weights(self.bucket_bytes):
             sender.send(bucket, version)
@@ -218,28 +222,28 @@ class TrainSide:
     def _evaluate(self, step: int) -> dict[str, float]:
         """The rollout ranks evaluate their shares of the eval prompts; train rank 0 reduces and writes them."""
         with self.timer("eval"):
-            replies = self.rollout.request_all(("eval", step))
-        samples = sorted((s for r in replies for s in r["samples"]), key=lambda s: (s.task_name, s.uid))
+            replies = self.rollout.request_all(Evaluate(step))
+        samples = sorted((s for r in replies for s in r.samples), key=lambda s: (s.task_name, s.uid))
         metrics = eval_metrics(samples, self.eval_tasks, self.eval_components)
         for r in replies:
-            for k, v in r["judge_stats"].items():
+            for k, v in r.judge_stats.items():
                 metrics[k] = metrics.get(k, 0.0) + v
         write_jsonl(self.work_dir / "eval" / f"step-{step}.jsonl", [sample_row(s) for s in samples])
         return metrics
 
     def _save_checkpoint(self, step: int) -> None:
-        self._op("checkpoint", step)
-        self.rollout.send_all(("checkpoint", step))
+        self._op(SaveCheckpoint(step))
+        self.rollout.send_all(SaveCheckpoint(step))
         self._save(step)
 
     def _export_hf(self, step: int) -> None:
-        self._op("hf", step)
+        self._op(ExportHF(step))
         self._hf(step)
 
-    def _op(self, name: str, *args: Any) -> None:
+    def _op(self, order: Order) -> None:
         """Tell the other train ranks what to do next (a no-op with one train rank)."""
         if self.n_train > 1:
-            broadcast((name, args), self.placement.train0, self.ch.train)
+            broadcast(order, self.placement.train0, self.ch.train)
 
     def _record(self, step: int, groups: list[Group]) -> None:
         """Ledger row (which groups this step trained) and the rollout dump of the step."""
@@ -263,22 +267,23 @@ class TrainSide:
     def _follow(self) -> None:
         src, group = self.placement.train0, self.ch.train
         while True:
-            name, args = broadcast(None, src, group)
-            if name == "train":
-                box: list[Any] = [None]
-                dist.scatter_object_list(box, None, src=src, group=group)
-                self.worker.train_step(box[0])
-            elif name == "weights":
-                for _ in self.worker.iter_weights(self.bucket_bytes):  # every tensor is gathered collectively
-                    pass
-            elif name == "checkpoint":
-                self._save(args[0])
-            elif name == "hf":
-                self._hf(args[0])
-            elif name == "stop":
-                return
-            else:
-                raise RuntimeError(f"train rank {self.boot.rank}: unknown order {name!r} from train rank {src}")
+            order = broadcast(None, src, group)
+            match order:
+                case TrainStep():
+                    box: list[Any] = [None]
+                    dist.scatter_object_list(box, None, src=src, group=group)
+                    self.worker.train_step(box[0])
+                case SyncWeights():
+                    for _ in self.worker.iter_weights(self.bucket_bytes):  # every tensor is gathered collectively
+                        pass
+                case SaveCheckpoint(step=step):
+                    self._save(step)
+                case ExportHF(step=step):
+                    self._hf(step)
+                case Stop():
+                    return
+                case _:
+                    raise RuntimeError(f"train rank {self.boot.rank}: unknown order {order!r} from train rank {src}")
 
     # --------------------------------------------------------------------------- shared
     def _hf(self, step: int) -> None:
