@@ -21,7 +21,7 @@ from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest,
 from rlcli.backends.decode_attention import triton_decode_attention_available
 from rlcli.backends.embedded.engine import EmbeddedEngine
 from rlcli.backends.embedded.model import LlamaFamilyModel
-from rlcli.backends.embedded.sampling import _splitmix64
+from rlcli.backends.seeds import splitmix64
 from rlcli.backends.embedded.state import Sequence
 from rlcli.component import ComponentConfig
 
@@ -158,7 +158,7 @@ class EmbeddedBackend(InferenceBackend):
         # calling thread, and hopping between the loop's default executor threads would start
         # competing pools (several times slower on a small CPU).
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlcli-embedded")
-        self._seed_base = _splitmix64((int(ctx.seed) << 20) ^ (int(ctx.rank) & 0xFFFFF))
+        self._seed_base = splitmix64((int(ctx.seed) << 20) ^ (int(ctx.rank) & 0xFFFFF))
         self._seed_counter = 0
 
     @staticmethod
@@ -192,7 +192,7 @@ class EmbeddedBackend(InferenceBackend):
     # -------------------------------------------------------------------------- generate
     def _next_seed(self) -> int:
         self._seed_counter += 1
-        return _splitmix64(self._seed_base + self._seed_counter)
+        return splitmix64(self._seed_base + self._seed_counter)
 
     async def generate(self, request: GenerateRequest) -> GenerateOutput:
         """Generate a response; see :mod:`rlcli.backends.base` for the contract.

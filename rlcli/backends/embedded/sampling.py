@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlcli.backends.seeds import M64 as _M64
-from rlcli.backends.seeds import splitmix64 as _splitmix64
+from rlcli.backends.seeds import M64, splitmix64
 
 # ------------------------------------------------------------------------------------------
 # Counter-based randomness
@@ -26,8 +25,8 @@ _HASH_MUL = 0x45D9F3B
 
 def seed_keys(seed: int) -> tuple[int, int]:
     """The two 32-bit hash keys a request's seed (any Python int) is reduced to."""
-    h1 = _splitmix64(seed & _M64)
-    h2 = _splitmix64(h1)
+    h1 = splitmix64(seed & M64)
+    h2 = splitmix64(h1)
     return h1 & _M32, h2 & _M32
 
 

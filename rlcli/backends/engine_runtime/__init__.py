@@ -58,10 +58,8 @@ from rlcli.backends.base import (  # noqa: F401 - importable from here before th
 )
 from rlcli.backends.engine_runtime.backend import EngineBackend, Job
 from rlcli.backends.engine_runtime.helpers import (  # noqa: F401 - the private names too
-    _M64,
     _SEED_MASK,
     SeedSequence,
-    _splitmix64,
     normalize_finish,
     prepare_weight_update,
     response_budget,

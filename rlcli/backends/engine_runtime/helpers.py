@@ -10,8 +10,7 @@ import torch
 
 from rlcli.backends.base import GenerateRequest
 from rlcli.backends.engine_runtime.model_info import ModelInfo
-from rlcli.backends.seeds import M64 as _M64  # noqa: F401 - importable from engine_runtime as before
-from rlcli.backends.seeds import splitmix64 as _splitmix64
+from rlcli.backends.seeds import splitmix64
 from rlcli.types import SampleParams
 
 _SEED_MASK = 0x7FFFFFFFFFFFFFFF  # engines take seeds as signed 64-bit integers
@@ -112,11 +111,11 @@ class SeedSequence:
     """Seeds for requests that carry none: distinct per run seed and rank, reproducible."""
 
     def __init__(self, seed: int, rank: int = 0):
-        self._base = _splitmix64(((int(seed) & 0xFFFFFFFFFFF) << 20) ^ (int(rank) & 0xFFFFF))
+        self._base = splitmix64(((int(seed) & 0xFFFFFFFFFFF) << 20) ^ (int(rank) & 0xFFFFF))
         self._n = 0
 
     def __call__(self, requested: int | None) -> int:
         if requested is not None:
             return int(requested) & _SEED_MASK
         self._n += 1
-        return _splitmix64(self._base + self._n) & _SEED_MASK
+        return splitmix64(self._base + self._n) & _SEED_MASK
