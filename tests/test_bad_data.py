@@ -72,6 +72,8 @@ def test_an_oversized_row_is_skipped_without_reading_it_whole(tmp_path):
     assert out[3].kind == "json"  # a byte-order mark is allowed on the first line only
     bom_first = write(tmp_path / "bom.jsonl", [b"\xef\xbb\xbf" + good(0)])
     assert isinstance(next(read_rows(bom_first)), Row)
+    deep = write(tmp_path / "deep.jsonl", [b"[" * 100_000 + b"]" * 100_000])  # no RecursionError
+    assert [(r.kind, r.reason) for r in read_rows(deep)] == [("json", "invalid JSON (nested too deeply)")]
     exact = write(tmp_path / "exact.jsonl", [good(0)])  # a row exactly at the limit is kept
     assert isinstance(next(read_rows(exact, max_row_bytes=len(good(0)))), Row)
     assert isinstance(next(read_rows(exact, max_row_bytes=len(good(0)) - 1)), SkippedRow)
