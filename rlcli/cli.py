@@ -76,14 +76,14 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
       rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
     """
     rec = _load(recipe, overrides)
+    from rlcli.data.base import DataError
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
     from rlcli.runner.setup import WorkDirInUse
 
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     disaggregated = rec.trainer.mode == "disaggregated"
-    if disaggregated:  # one launch, split into train and rollout ranks: check the split before any rank starts
-        _check_launch(recipe, rec, spec.world_size)
+    _check_launch(recipe, rec, spec.world_size)  # the recipe against the ranks, before any rank starts
     try:
         spec.check()
         if spec.world_size == 1 and not disaggregated:
@@ -94,7 +94,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
             if main_result is None:  # not node 0: rank 0 reports
                 return
             path, final = main_result
-    except WorkDirInUse as exc:
+    except (WorkDirInUse, DataError) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     except (ValueError, RankFailed) as exc:
@@ -123,16 +123,21 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     if rec.eval is None or not rec.eval.tasks:
         click.secho(f"{recipe}: the recipe has no eval.tasks to evaluate", fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
+    from rlcli.data.base import DataError
     from rlcli.runner.evaluate import run_eval
 
-    metrics, out = run_eval(rec, checkpoint, out_dir)
+    try:
+        metrics, out = run_eval(rec, checkpoint, out_dir)
+    except DataError as exc:
+        click.secho(str(exc), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
     for k, v in sorted(metrics.items()):
         click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
 
 
 def _check_launch(recipe: str, rec, world_size: int) -> None:
-    """Exit 2 listing every problem of ``rec`` launched on ``world_size`` ranks (disaggregated placements)."""
+    """Exit 2 listing every problem of ``rec`` launched on ``world_size`` ranks (groups per rank, placements)."""
     from rlcli.config import RecipeError, check_launch
 
     issues = check_launch(rec, world_size)
@@ -145,8 +150,8 @@ def _check_launch(recipe: str, rec, world_size: int) -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=None,
-              help="Also check the recipe against a launch of this many ranks per machine (disaggregated "
-                   "placements), as `rlcli train --nproc-per-node`.")
+              help="Also check the recipe against a launch of this many ranks per machine (groups per rank, "
+                   "disaggregated placements), as `rlcli train --nproc-per-node`.")
 @click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
               help="Machines of that launch (with --nproc-per-node).")
 def validate(recipe: str, overrides: tuple[str, ...], nproc_per_node: int | None, nnodes: int) -> None:
@@ -212,9 +217,13 @@ def data_gsm8k(in_path: str, out_path: str) -> None:
     """Convert raw GSM8K (question/answer with '#### n') to RL JSONL."""
     from rlcli.data.gsm8k import convert_gsm8k
 
-    written, skipped = convert_gsm8k(in_path, out_path)
+    try:
+        written, skipped = convert_gsm8k(in_path, out_path)
+    except OSError as exc:
+        click.secho(f"cannot convert {in_path} to {out_path}: {exc.strerror or exc}", fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
     click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} malformed rows" if skipped else ""))
-    for msg in skipped[:10]:
+    for msg in skipped:  # every one, located
         click.secho(f"  {msg}", fg="yellow", err=True)
 
 

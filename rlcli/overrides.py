@@ -76,6 +76,8 @@ def apply_overrides(data: Any, overrides: list[str]) -> Any:
             value = parse_value(text)
         except yaml.YAMLError as exc:
             raise OverrideError(key, f"value {text!r} is not valid YAML: {exc}") from None
+        except RecursionError:
+            raise OverrideError(key, "the value nests too deeply (mappings and lists inside each other)") from None
         node = data
         for p in parts[:-1]:
             node = _descend(node, p, key, create=True)

@@ -23,6 +23,16 @@ def tiny_llama(tmp_path_factory) -> Path:
     return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "llama", arch="llama", seed=0)
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_4k(tmp_path_factory) -> Path:
+    """``tiny_llama`` with 4096 positions: room for the GSM8K recipes' prompt + response lengths,
+    which ``validate`` checks against the model's config.json."""
+    from rlcli.models import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny") / "llama4k", arch="llama", seed=0,
+                          max_position_embeddings=4096)
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -109,10 +109,10 @@ def test_data_arith(runner, tmp_path):
     assert len((tmp_path / "arith.jsonl").read_text().splitlines()) == 100
 
 
-def test_gsm8k_recipe_validates_with_a_model_path(runner, repo, tiny_llama, tmp_path):
+def test_gsm8k_recipe_validates_with_a_model_path(runner, repo, tiny_llama_4k, tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
                                 "reward_model": {"ground_truth": "2"}}) + "\n")
-    out = runner.invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-colocate.yaml"), f"model.path={tiny_llama}",
+    out = runner.invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-colocate.yaml"), f"model.path={tiny_llama_4k}",
                               f"tasks.0.sampler.path={data}", f"eval.tasks.0.sampler.path={data}"])
     assert out.exit_code == 0, out.output

@@ -106,6 +106,7 @@ def test_units_recipe_snippet_validates(units_walkthrough, repo):
         raw = yaml.safe_load((repo / "recipes" / "tool-calculator.yaml").read_text())
         snippet = yaml.safe_load(_blocks(_sections(repo)[1], "yaml")[0])
         raw["tasks"][0]["agent_loop"] = snippet["tasks"][0]["agent_loop"]
+        raw["model"]["from_scratch"]["max_position_embeddings"] = 128  # room for a prompt and 64 tokens
         reg = registry_with(rlcli_units)
         rec = validate_recipe(raw, registry=reg, base_dir=repo / "recipes")
         loop = rec.tasks[0].agent_loop

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from rlcli.data.base import DataError
 from rlcli.data.sampler import JsonlSampler, JsonlSamplerConfig
 from rlcli.tokenizer import load_tokenizer
 
@@ -53,8 +54,8 @@ def test_bad_rows_reported_with_line_and_counted(tmp_path, tok):
     p = write(tmp_path / "d.jsonl", [row(0), "{not json", {"prompt": 5}, row(1), {"prompt": [{"role": "user"}]}])
     s = make(p, tok)
     assert len(s) == 2
-    assert any(m.startswith(f"{p}:2:") for m in s.skipped)
-    assert any(f"{p}:3:" in m for m in s.skipped) and any(f"{p}:5:" in m for m in s.skipped)
+    assert any(str(m).startswith(f"{p}:2:") for m in s.skipped)
+    assert any(f"{p}:3:" in str(m) for m in s.skipped) and any(f"{p}:5:" in str(m) for m in s.skipped)
     assert s.pop_stats() == {"data/skipped_rows": 3.0}
     assert s.pop_stats() == {}
 
@@ -62,13 +63,14 @@ def test_bad_rows_reported_with_line_and_counted(tmp_path, tok):
 def test_overlong_prompts_dropped(tmp_path, tok):
     p = write(tmp_path / "d.jsonl", [row(0), {"prompt": "1+1+1+1+1+1=", "reward_model": {"ground_truth": "6"}}])
     s = make(p, tok, max_prompt_length=5)
-    assert len(s) == 1 and s.overlong == 1
+    assert len(s) == 1 and len(s.overlong) == 1
+    assert [(r.line, r.kind) for r in s.skipped_rows()] == [(2, "too_long")]
 
 
 def test_missing_file_and_empty(tmp_path, tok):
-    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+    with pytest.raises(DataError, match="missing.jsonl"):
         make(tmp_path / "missing.jsonl", tok)
-    with pytest.raises(ValueError, match="no usable prompts"):
+    with pytest.raises(DataError, match="no usable prompt"):
         make(write(tmp_path / "bad.jsonl", ["{"]), tok)
 
 

@@ -33,18 +33,17 @@ def test_tool_arith_data_is_generated_deterministically(repo, tmp_path):
     assert write_tool_arith(tmp_path / "small", train=3, test=2)[0].read_text().count("\n") == 3
 
 
-def test_gsm8k_tools_recipe_validates_with_a_model_path(repo, tiny_llama, tmp_path):
+def test_gsm8k_tools_recipe_validates_with_a_model_path(repo, tiny_llama_4k, tmp_path):
     data = tmp_path / "gsm8k.jsonl"
     data.write_text(json.dumps({"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "1+1?"}],
                                 "reward_model": {"ground_truth": "2"}}) + "\n")
-    out = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-tools.yaml"), f"model.path={tiny_llama}",
-                                   f"tasks.0.sampler.path={data}", f"eval.tasks.0.sampler.path={data}"])
+    overrides = [f"model.path={tiny_llama_4k}", f"tasks.0.sampler.path={data}", f"eval.tasks.0.sampler.path={data}"]
+    out = CliRunner().invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-tools.yaml"), *overrides])
     assert out.exit_code == 0, out.output
     assert "tasks.0.agent_loop: agent_loop multi_turn" in out.output
     from rlcli.config import load_recipe
 
-    rec = load_recipe(repo / "recipes" / "gsm8k-tools.yaml", [f"model.path={tiny_llama}", f"tasks.0.sampler.path={data}",
-                                                              f"eval.tasks.0.sampler.path={data}"])
+    rec = load_recipe(repo / "recipes" / "gsm8k-tools.yaml", overrides)
     loop = rec.tasks[0].agent_loop.cfg
     assert loop.tool_format.name == "hermes" and [t.name for t in loop.tools] == ["calculator"]
     assert '"name": "calculator"' in rec.tasks[0].sampler.cfg.system_prompt
@@ -96,6 +95,7 @@ def test_gsm8k_tools_recipe_runs_a_step_with_a_tiny_model(repo, tiny_llama, tmp_
         "tasks.0.agent_loop.sample_params.max_tokens=64", "eval.tasks.0.agent_loop.sample_params.max_tokens=64",
         "eval.evaluator.sample_num=2", "trainer.enable_initial_evaluate=false", "rollout.max_batch_size=8",
         "rollout.max_model_len=512", "train_worker.gradient_checkpointing=false", "trainer.checkpoint_interval=-1",
+        "tasks.0.sampler.max_prompt_length=400", "eval.tasks.0.sampler.max_prompt_length=400",  # + 64 fit 512
         "trainer.hf_interval=-1", "resources.device=cpu",
         # the tiny model has a character tokenizer and 512 positions: a short system prompt
         "tasks.0.sampler.system_prompt=use the calculator", "eval.tasks.0.sampler.system_prompt=use the calculator"])

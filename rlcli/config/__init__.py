@@ -10,15 +10,17 @@ reports *every* problem at once, each with its dotted path. Nothing here loads a
 The package, by responsibility: ``sections`` (the pydantic section models, built from ``spec``'s
 strict models and component specs), ``tree`` (walkers over their schema), ``issues`` (``Issue``,
 ``RecipeError``), ``resolve`` (component sections through the plugin registry), ``rules`` (the
-cross-field rules over the raw dict), ``placement`` (disaggregated rank placement) and ``load``
-(YAML, overrides, the ``validate_recipe`` / ``load_recipe`` entry points). Import from
-``rlcli.config``; it re-exports all of them.
+cross-field rules over the raw dict), ``placement`` (disaggregated rank placement), ``fit`` (the
+recipe against the model's shape and the launch's ranks), ``yaml_file`` (reading the file: UTF-8,
+nesting depth, duplicate keys) and ``load`` (overrides, the ``validate_recipe`` / ``load_recipe``
+entry points). Import from ``rlcli.config``; it re-exports all of them.
 """
 
 from __future__ import annotations
 
+from rlcli.config.fit import check_fit, check_prompt_lengths, check_task_shares, model_context, model_shape
 from rlcli.config.issues import Issue, RecipeError
-from rlcli.config.load import _recipe_checks, load_recipe, read_yaml, resolved_dict, validate_recipe
+from rlcli.config.load import _recipe_checks, load_recipe, resolved_dict, validate_recipe
 from rlcli.config.placement import (
     ROLLOUT_RESOURCES,
     TRAIN_RESOURCES,
@@ -48,12 +50,14 @@ from rlcli.config.sections import (
 )
 from rlcli.config.spec import ComponentSpec, Kind, Strict, _spec
 from rlcli.config.tree import _collect_specs, _dotted, _kind_of, _model_class_at, _unwrap, _walk_raw
+from rlcli.config.yaml_file import read_yaml
 
 __all__ = [
     "ROLLOUT_RESOURCES", "TRAIN_RESOURCES", "ComponentSpec", "EvalConfig", "EvaluatorConfig", "FSDPConfig",
     "FromScratch", "Issue", "KLConfig", "Kind", "LRSchedulerConfig", "ModelConfig", "OptimizerConfig",
     "PlacementConfig", "Recipe", "RecipeError", "ResourcesConfig", "RolloutISConfig", "Strict", "TaskConfig",
-    "TrainWorkerConfig", "TrainerConfig", "check_launch", "load_recipe", "read_yaml", "resolve_placement",
+    "TrainWorkerConfig", "TrainerConfig", "check_fit", "check_launch", "check_prompt_lengths", "check_task_shares",
+    "model_context", "model_shape", "load_recipe", "read_yaml", "resolve_placement",
     "resolved_dict", "validate_recipe",
     # private helpers, kept importable from here as before the split (docgen, tests)
     "_check_disaggregated", "_check_rules", "_check_tasks", "_collect_specs", "_dotted", "_issue_from_pydantic",

@@ -5,16 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from rlcli.component import ChecksRecipe
+from rlcli.config.fit import check_fit
 from rlcli.config.issues import Issue, RecipeError
 from rlcli.config.resolve import _issue_from_pydantic, _resolve_component
 from rlcli.config.rules import _check_rules
 from rlcli.config.sections import Recipe
 from rlcli.config.spec import ComponentSpec
 from rlcli.config.tree import _walk_raw
+from rlcli.config.yaml_file import read_yaml
 from rlcli.overrides import OverrideError, apply_overrides
 from rlcli.plugins import Registry, get_registry
 
@@ -55,6 +56,7 @@ def validate_recipe(raw: Any, registry: Registry | None = None, source: str | No
             spec._cls, spec._cfg = resolved
 
     if recipe is not None:
+        issues += check_fit(recipe)
         for check in _recipe_checks(registry):
             for path, msg in check(recipe) or []:
                 issues.append(Issue(path, msg))
@@ -82,18 +84,6 @@ def _recipe_checks(registry: Registry) -> list:
                 seen.add(id(fn))
                 checks.append(fn)
     return checks
-
-
-def read_yaml(path: str | Path) -> Any:
-    p = Path(path)
-    if not p.exists():
-        raise RecipeError([Issue("", f"recipe file not found: {p}")], str(p))
-    try:
-        return yaml.safe_load(p.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise RecipeError([Issue("", f"invalid YAML: {where}{getattr(exc, 'problem', exc)}")], str(p)) from None
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = (), registry: Registry | None = None) -> Recipe:

@@ -132,9 +132,20 @@ def _check_disaggregated(raw: dict, issues: list[Issue]) -> None:
 
 
 def check_launch(recipe: Recipe, world_size: int) -> list[Issue]:
-    """Problems of ``recipe`` launched on ``world_size`` ranks (disaggregated placements)."""
+    """Problems of ``recipe`` launched on ``world_size`` ranks: colocated, every rank needs a group of
+    every step (and every task a group on some rank); disaggregated, the placement."""
+    if world_size < 1:
+        return []  # the launcher reports it
     if recipe.trainer.mode != "disaggregated":
-        return []
+        from rlcli.config.fit import check_task_shares, rank_batch_sizes
+
+        bs = recipe.trainer.train_batch_size
+        if bs < world_size:
+            return [Issue("trainer.train_batch_size", f"trainer.train_batch_size={bs} is smaller than the {world_size} "
+                          "launched ranks (--nproc-per-node x --nnodes): every rank rolls out at least one group per "
+                          f"step; raise it to at least {world_size} or launch fewer ranks")]
+        why = f" on each of the {world_size} ranks" if world_size > 1 else ""
+        return check_task_shares(recipe, rank_batch_sizes(bs, world_size), why)
     train, rollout, issues = resolve_placement(recipe.resources, world_size)
     if not issues and recipe.trainer.train_batch_size < len(rollout):
         issues.append(Issue("trainer.train_batch_size", f"trainer.train_batch_size={recipe.trainer.train_batch_size} "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from rlcli.config.spec import ComponentSpec, Kind, Strict, _spec
 from rlcli.config.tree import _collect_specs
@@ -99,8 +99,17 @@ class OptimizerConfig(Strict):
     name: Literal["adamw"] = Field("adamw", description="Optimizer.")
     lr: float = Field(1e-6, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Decoupled weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas, each in [0, 1).")
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
+
+    @field_validator("betas")
+    @classmethod
+    def _check_betas(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        bad = [f"betas[{i}]={b}" for i, b in enumerate(betas) if not 0 <= b < 1]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} outside [0, 1): Adam's betas are decay rates of its moment "
+                             "averages (the usual values are 0.9 and 0.999)")
+        return betas
 
 
 class LRSchedulerConfig(Strict):

@@ -9,6 +9,10 @@ from rlcli.component import Component
 from rlcli.types import Sample
 
 
+class DataError(ValueError):
+    """A dataset a run cannot use: the message names the task and the file (``rlcli train`` exits 2)."""
+
+
 class Sampler(Component, abc.ABC):
     """Reads one task's dataset and hands out its prompts as groups of samples.
 
@@ -30,9 +34,16 @@ class Sampler(Component, abc.ABC):
     - ``len(sampler)``: the number of prompts (epochs, ``eval.evaluator.sample_ratio``).
     - ``pop_stats()``: counters since the last call (say rows skipped), logged with the step's
       metrics; the default reports none.
+    - ``prompt_lengths()``: the tokens of every prompt, or None (the default) when unknown.
+    - ``skipped_rows()``: every row of the dataset left out, each with ``file``, ``line``,
+      ``kind`` and ``reason`` (:class:`rlcli.data.rows.SkippedRow`); the runner writes them to
+      ``skipped_rows.jsonl`` in the work dir. The default reports none.
     - ``state_dict()`` / ``load_state_dict(state)``: the position in the stream, saved in every
       checkpoint (plain Python values) so a resumed run hands out the groups an uninterrupted
       run would have; refuse a state that does not fit (other data, other ranks).
+
+    A dataset the sampler cannot use at all (no usable prompt, an unreadable file) raises
+    :class:`DataError` from the constructor, which the runner calls before any model loads.
 
     Optional: ``shard(index, count)``, called right after construction with this process's
     place among the ``count`` processes that roll out, so that each hands out its own share of
@@ -56,6 +67,15 @@ class Sampler(Component, abc.ABC):
     def pop_stats(self) -> dict[str, float]:
         """Counters since the last call, reported once (``data/...`` metric names)."""
         return {}
+
+    def prompt_lengths(self) -> list[int] | None:
+        """The number of tokens of every prompt (None: not known). The runner checks them against
+        the model's context and ``pack_max_length`` before any model loads."""
+        return None
+
+    def skipped_rows(self) -> list[Any]:
+        """Every row left out of the dataset (``file``, ``line``, ``kind``, ``reason`` each)."""
+        return []
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, Any]:

@@ -7,11 +7,15 @@ One object per line (verl / XTuner RL format)::
      "reward_model": {"ground_truth": "72"},
      "extra_info": {...}}
 
-``prompt`` may also be a plain string (a single user message). A malformed row is reported
-with ``file:line``, skipped and counted (``data/skipped_rows``); prompts longer than
-``max_prompt_length`` tokens are dropped and counted (``data/overlong_prompts``). The stream is
-infinite: after the last prompt the next epoch starts with a fresh permutation seeded by
-``seed + epoch``. Position, epoch and the group counter are saved in checkpoints.
+``prompt`` may also be a plain string (a single user message). Every bad row (over
+``max_row_bytes``, not UTF-8, not JSON, the wrong shape, an empty prompt, no label: see
+:mod:`rlcli.data.rows`) is skipped, located with ``file:line`` and counted (``data/skipped_rows``);
+so are rows whose chat template fails. Prompts longer than ``max_prompt_length`` tokens are
+dropped too. :meth:`JsonlSampler.skipped_rows` lists every row left out, with its reason (the
+runner writes them to ``skipped_rows.jsonl``); a file with no usable row is refused when the
+recipe is validated. The stream is infinite: after the last prompt the next epoch starts with a
+fresh permutation seeded by ``seed + epoch``. Position, epoch and the group counter are saved in
+checkpoints.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ from pydantic import Field
 
 from rlcli import hookimpl
 from rlcli.component import ComponentConfig
-from rlcli.data.base import Sampler
+from rlcli.data.base import DataError, Sampler
+from rlcli.data.rows import (
+    DEFAULT_MAX_ROW_BYTES, Row, SkippedRow, first_usable_row, no_usable_row_message, read_rows, summarize,
+)
 from rlcli.types import Sample
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,12 @@ class JsonlSamplerConfig(ComponentConfig):
     seed: int | None = Field(None, description="Shuffle seed; default: the trainer seed.")
     system_prompt: str | None = Field(None, description="Prepended as a system message (replaces an existing one).")
     limit: int | None = Field(None, gt=0, description="Use only the first N valid prompts.")
+    max_row_bytes: int | None = Field(
+        DEFAULT_MAX_ROW_BYTES, gt=0, description="Skip (and list in skipped_rows.jsonl) a row longer than this "
+        "many bytes (default 1 MiB), before it is parsed or tokenized; null: no limit.")
+    require_label: bool = Field(
+        True, description="Skip a row without reward_model.ground_truth (or a blank one); false for judgers "
+        "that need no label.")
 
 
 class Prompt:
@@ -63,30 +76,6 @@ class Prompt:
     def __init__(self, row, messages, prompt_ids, prompt_text, data_source, reward_model, extra_info):
         self.row, self.messages, self.prompt_ids, self.prompt_text = row, messages, prompt_ids, prompt_text
         self.data_source, self.reward_model, self.extra_info = data_source, reward_model, extra_info
-
-
-def _parse_row(obj: Any) -> tuple[list[dict], str, dict, dict]:
-    if not isinstance(obj, dict):
-        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
-    prompt = obj.get("prompt")
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
-    ):
-        messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    else:
-        raise ValueError("'prompt' must be a string or a non-empty list of {role, content} messages")
-    data_source = obj.get("data_source", "")
-    if not isinstance(data_source, str):
-        raise ValueError("'data_source' must be a string")
-    reward_model = obj.get("reward_model") or {}
-    if not isinstance(reward_model, dict):
-        raise ValueError("'reward_model' must be an object")
-    extra = obj.get("extra_info") or {}
-    if not isinstance(extra, dict):
-        raise ValueError("'extra_info' must be an object")
-    return messages, data_source, reward_model, extra
 
 
 class JsonlSampler(Sampler):
@@ -100,7 +89,11 @@ class JsonlSampler(Sampler):
         p = resolve_data_path(cfg.path)
         if not p.is_file():
             return [("path", f"data file not found: {p}")]
-        return []
+        try:  # cheap: reads only up to the first usable row
+            row, skipped = first_usable_row(p, max_row_bytes=cfg.max_row_bytes, require_label=cfg.require_label)
+        except OSError as exc:
+            return [("path", f"cannot read the data file {p}: {exc.strerror or exc}")]
+        return [] if row is not None else [("path", no_usable_row_message(p, skipped))]
 
     def __init__(self, config: JsonlSamplerConfig, *, tokenizer, task_name: str, seed: int):
         super().__init__(config)
@@ -108,12 +101,13 @@ class JsonlSampler(Sampler):
         self.tokenizer = tokenizer
         self.seed = config.seed if config.seed is not None else seed
         self.path = resolve_data_path(config.path)
-        self.skipped: list[str] = []  # "file:line: reason"
-        self.overlong = 0
+        self.skipped: list[SkippedRow] = []  # bad rows (data/skipped_rows)
+        self.overlong: list[SkippedRow] = []  # prompts over max_prompt_length
         self.prompts = self._load()
         if not self.prompts:
-            raise ValueError(f"{self.path}: no usable prompts (skipped {len(self.skipped)} malformed rows, "
-                             f"{self.overlong} over max_prompt_length)")
+            raise DataError(f"task {task_name!r}: no usable prompt in {self.path}: {len(self.skipped)} bad rows, "
+                            f"{len(self.overlong)} over max_prompt_length ({self.config.max_prompt_length}); "
+                            + "; ".join(str(s) for s in self.skipped_rows()[:3]))
         self.epoch = 0
         self.position = 0
         self.groups_sampled = 0
@@ -124,40 +118,58 @@ class JsonlSampler(Sampler):
     # ---------------------------------------------------------------------------------- load
     def _load(self) -> list[Prompt]:
         if not self.path.is_file():
-            raise FileNotFoundError(f"data file not found: {self.path}")
-        rows: list[tuple[int, list[dict], str, dict, dict]] = []
-        with self.path.open("r", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append((lineno, *_parse_row(json.loads(line))))
-                except (json.JSONDecodeError, ValueError) as exc:
-                    self.skipped.append(f"{self.path}:{lineno}: {exc}")
-        for msg in self.skipped[:5]:
-            log.warning("skipping malformed row %s", msg)
-        if len(self.skipped) > 5:
-            log.warning("... and %d more malformed rows in %s", len(self.skipped) - 5, self.path)
-        texts = []
-        for _, messages, *_ in rows:
-            if self.config.system_prompt is not None:
-                messages[:] = [{"role": "system", "content": self.config.system_prompt}] + [
-                    m for m in messages if m["role"] != "system"
-                ]
-            texts.append(self._template(messages))
+            raise DataError(f"task {self.task_name!r}: data file not found: {self.path}")
+        cfg = self.config
+        rows: list[Row] = []
+        try:
+            for r in read_rows(self.path, max_row_bytes=cfg.max_row_bytes, require_label=cfg.require_label):
+                (rows if isinstance(r, Row) else self.skipped).append(r)
+        except OSError as exc:
+            raise DataError(f"cannot read the data file {self.path}: {exc.strerror or exc}") from None
+        n_rows = len(rows) + len(self.skipped)
+        texts, templated = [], []
+        for r in rows:
+            if cfg.system_prompt is not None:
+                r.messages[:] = [{"role": "system", "content": cfg.system_prompt}] + [
+                    m for m in r.messages if m["role"] != "system"]
+            try:
+                texts.append(self._template(r.messages))
+            except Exception as exc:  # a template that rejects this row's roles or content
+                self.skipped.append(SkippedRow(str(self.path), r.line, "template",
+                                               f"chat template failed: {type(exc).__name__}: {exc}"))
+                continue
+            templated.append(r)
+        self.skipped.sort(key=lambda s: s.line)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         prompts = []
-        limit = self.config.max_prompt_length
-        for (lineno, messages, source, rm, extra), text, pids in zip(rows, texts, ids):
+        limit = cfg.max_prompt_length
+        for r, text, pids in zip(templated, texts, ids):
             if limit is not None and len(pids) > limit:
-                self.overlong += 1
+                self.overlong.append(SkippedRow(str(self.path), r.line, "too_long",
+                                                f"prompt has {len(pids)} tokens, more than max_prompt_length={limit}"))
                 continue
-            prompts.append(Prompt(lineno, messages, list(pids), text, source, rm, extra))
-            if self.config.limit is not None and len(prompts) >= self.config.limit:
+            prompts.append(Prompt(r.line, r.messages, list(pids), text, r.data_source, r.reward_model, r.extra_info))
+            if cfg.limit is not None and len(prompts) >= cfg.limit:
                 break
-        if self.overlong:
-            log.warning("%s: dropped %d prompts longer than max_prompt_length=%d", self.path, self.overlong, limit)
+        self._log_skipped(n_rows)
         return prompts
+
+    def _log_skipped(self, n_rows: int) -> None:
+        for s in self.skipped[:5]:
+            log.warning("task %r: skipping row %s", self.task_name, s)
+        if self.skipped:
+            log.warning("task %r: skipped %d of %d rows of %s (%s)", self.task_name, len(self.skipped), n_rows,
+                        self.path, summarize(self.skipped))
+        if self.overlong:
+            log.warning("task %r: dropped %d prompts longer than max_prompt_length=%d in %s", self.task_name,
+                        len(self.overlong), self.config.max_prompt_length, self.path)
+
+    def prompt_lengths(self) -> list[int]:
+        return [len(p.prompt_ids) for p in self.prompts]
+
+    def skipped_rows(self) -> list[SkippedRow]:
+        """Every row left out, in file order: bad rows and prompts over max_prompt_length."""
+        return sorted(self.skipped + self.overlong, key=lambda s: s.line)
 
     def _template(self, messages: list[dict]) -> str:
         if getattr(self.tokenizer, "chat_template", None):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import logging
 import math
 import numbers
 from typing import Any, Literal
@@ -17,6 +18,11 @@ from typing import Any, Literal
 from rlcli.types import Sample
 
 _MAX_ERROR_CHARS = 2000
+MAX_ABS_SCORE = 1e6
+"""The largest score a judger may return (either sign); beyond it the sample is FAILED."""
+
+log = logging.getLogger(__name__)
+_warned: set[str] = set()
 
 
 def _clip(text: str) -> str:
@@ -42,7 +48,8 @@ def normalize_reward(result: Any) -> tuple[dict[str, Any] | None, str | None]:
     """Turn a judger result into ``(reward, None)`` or ``(None, reason)``.
 
     A real number becomes ``{"score": float(x)}``; a dict must hold a real, finite ``"score"``
-    (it is converted to ``float``, other keys are kept); anything else is rejected.
+    (it is converted to ``float``, other keys are kept); anything else is rejected, and so is a
+    score beyond ``+-MAX_ABS_SCORE``.
     """
     if isinstance(result, numbers.Real):
         score, reward = result, {}
@@ -57,8 +64,19 @@ def normalize_reward(result: Any) -> tuple[dict[str, Any] | None, str | None]:
     score = float(score)
     if not math.isfinite(score):
         return None, f"judger returned a non-finite score {score}"
+    if abs(score) > MAX_ABS_SCORE:
+        return None, (f"judger returned the score {score:g}, beyond +-{MAX_ABS_SCORE:g}: a reward that large is a "
+                      "bug, and would swamp its group's advantages and the run's reward metrics")
     reward["score"] = score
     return reward, None
+
+
+def warn_bad_result(judger: str, reason: str) -> None:
+    """Log, once per judger and process, that ``judger`` returned a result that is not a usable score."""
+    if judger not in _warned:
+        _warned.add(judger)
+        log.warning("judger %r returned an unusable result, so its sample is FAILED and counted in judger/errors "
+                    "(shown once; the rest at debug level): %s", judger, reason)
 
 
 @dataclasses.dataclass

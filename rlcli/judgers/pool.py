@@ -6,7 +6,8 @@ float ``"score"``) or marks the sample ``FAILED`` with a reason in ``sample.erro
 * ``"judger timeout after 30.0s"``: the call ran longer than ``timeout_s``;
 * ``"judger raised ValueError: ..."``: the judger raised;
 * ``"judger worker process crashed (exit code 1)"`` / ``"... (killed by SIGSEGV)"``;
-* ``"judger returned ..."``: the result is not a number or a dict with a finite ``"score"``.
+* ``"judger returned ..."``: the result is not a number or a dict with a finite ``"score"``, or
+  the score is beyond ``+-1e6`` (logged once per judger as a warning).
 
 Where ``judge()`` runs is the judger config's ``executor``:
 
@@ -57,6 +58,7 @@ import time
 from typing import Any, Literal
 
 from rlcli.judgers.calls import _Abort, _clip, _describe_exception, _Outcome, _timed_out, normalize_reward
+from rlcli.judgers.calls import warn_bad_result
 from rlcli.judgers.processes import _Proc, _ProcessExecutor, _Slots
 from rlcli.judgers.threads import _ThreadExecutor, _ThreadWorkers
 from rlcli.types import Sample, Status
@@ -311,6 +313,7 @@ class JudgePool(_ThreadExecutor, _ProcessExecutor):
             if reward is not None:
                 sample.reward, sample.error = reward, None
                 return
+            warn_bad_result(self._name, reason)
         else:
             reason = outcome.value
         self._count("judger/timeouts" if outcome.kind == "timeout" else "judger/errors")

@@ -25,40 +25,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlcli.component import ReportsRolloutMetrics
+from rlcli.config.fit import allocate_task_batch_sizes  # the recipe's split of a batch by task weight
 from rlcli.produce.base import ProduceContext, ProduceStats, ProduceStatus, Task
 from rlcli.produce.replay_buffer import ReplayBuffer
 from rlcli.produce.staleness import StalenessRule, mask_stale_tokens
 from rlcli.types import Group, Status
 
 log = logging.getLogger(__name__)
-
-
-def allocate_task_batch_sizes(batch_size: int, weights: dict[str, float]) -> dict[str, int]:
-    """Largest-remainder split of ``batch_size`` by weight; ties go to the earlier task."""
-    if batch_size < 0:
-        raise ValueError(f"batch_size must be >= 0, got {batch_size}")
-    if not weights:
-        raise ValueError("at least one task is required")
-    total = sum(weights.values())
-    if total <= 0:
-        raise ValueError("at least one task weight must be positive")
-    if batch_size == 0:
-        return {t: 0 for t in weights}
-    raw = {t: batch_size * w / total for t, w in weights.items()}
-    sizes = {t: math.floor(r) for t, r in raw.items()}
-    rest = batch_size - sum(sizes.values())
-    names = list(weights)
-    frac = [raw[n] - sizes[n] for n in names]
-    for i in sorted(range(len(names)), key=lambda i: (-frac[i], i))[:rest]:
-        sizes[names[i]] += 1
-    return sizes
 
 
 def engine_metrics(backend: Any, prefix: str = "engine/") -> dict[str, float]:

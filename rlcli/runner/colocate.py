@@ -25,7 +25,7 @@ from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.records import (
     Timer, best_and_worst, build_trackers, dump_rollout_groups, log_to_trackers, mean, prune_step_dirs, sample_row,
-    step_summary,
+    step_summary, write_skipped_rows,
 )
 from rlcli.runner.schedule import Schedule, share, total_train_steps
 from rlcli.runner.sequences import sequences_from_groups
@@ -64,6 +64,11 @@ class ColocateRunner:
         seed_everything(self.cfg.seed + rank)
         self.env = env = Environment(recipe, self.work_dir)
         self.schedule = Schedule.of(self.cfg, recipe.eval, total_train_steps(self.cfg, recipe.tasks, env.tokenizer))
+        # the data before any model: a dataset without a usable prompt stops the run here
+        samplers = env.prepare_samplers(
+            recipe.tasks + (recipe.eval.tasks if self.schedule.evaluate else []), trained=recipe.tasks)
+        if self.main:
+            write_skipped_rows(self.work_dir, samplers)
         self.local_batch = share(self.cfg.train_batch_size, rank, world)  # this rank's groups of every step
         if self.local_batch == 0:
             raise ValueError(f"trainer.train_batch_size={self.cfg.train_batch_size} is smaller than the "

@@ -9,7 +9,7 @@ from pathlib import Path
 from rlcli.config import Recipe
 from rlcli.fsutil import write_jsonl
 from rlcli.runner.evaluation import Evaluator
-from rlcli.runner.records import sample_row
+from rlcli.runner.records import sample_row, write_skipped_rows
 from rlcli.runner.setup import Environment, default_work_dir, setup_logging
 
 
@@ -25,6 +25,7 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
     out = Path(out_dir) if out_dir else work_dir / "eval" / (ckpt.name if ckpt else "base")
     setup_logging(out, quiet=True)
     env = Environment(recipe, work_dir)
+    write_skipped_rows(out, env.prepare_samplers(recipe.eval.tasks))  # the data before any model
     backend = env.build_backend()
     if ckpt is not None and not is_hf:
         worker = env.build_train_worker(total_steps=1)

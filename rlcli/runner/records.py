@@ -5,6 +5,7 @@ directories."""
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from contextlib import contextmanager
@@ -52,6 +53,22 @@ def build_trackers(trackers: list[ComponentSpec], work_dir: Path, registry=None)
         spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
         specs.append(spec)
     return [s.build(work_dir=work_dir) for s in specs]
+
+
+SKIPPED_ROWS = "skipped_rows.jsonl"
+
+
+def write_skipped_rows(out_dir: Path, samplers: list[tuple[str, Any]]) -> Path:
+    """``out_dir/skipped_rows.jsonl``: every data row the samplers left out, one object per row
+    (``task``, ``file``, ``line``, ``kind``, ``reason``); written even when empty, so that it never
+    describes an earlier run's data. Logs how many, and where they are listed."""
+    rows = [{"task": name, "file": os.path.abspath(r.file), "line": r.line, "kind": r.kind, "reason": r.reason}
+            for name, sampler in samplers for r in sampler.skipped_rows()]
+    path = write_jsonl(out_dir / SKIPPED_ROWS, rows)
+    if rows:
+        log.warning("%d data rows left out (bad, or over max_prompt_length); every one is listed with its "
+                    "file:line and reason in %s", len(rows), path)
+    return path
 
 
 def log_to_trackers(trackers: list, step: int, metrics: dict[str, float], groups, samples_per_step: int) -> None:

@@ -7,14 +7,15 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import yaml
 
 from rlcli.backends.base import BackendContext, InferenceBackend
 from rlcli.component import Shardable
-from rlcli.config import Recipe, TaskConfig, resolved_dict
+from rlcli.config import Recipe, TaskConfig, check_prompt_lengths, model_context, resolved_dict
+from rlcli.data.base import DataError
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
@@ -25,6 +26,8 @@ from rlcli.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
     from rlcli.train.worker import TrainWorker
+
+log = logging.getLogger("rlcli")
 
 
 def default_work_dir(recipe: Recipe) -> Path:
@@ -74,7 +77,7 @@ def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
-               "resolved.yaml", "run.log", "trained_groups.jsonl")
+               "resolved.yaml", "run.log", "trained_groups.jsonl", "skipped_rows.jsonl")
 
 
 class WorkDirInUse(RuntimeError):
@@ -135,6 +138,43 @@ class Environment:
         self.eos_ids = eos_token_ids(self.tokenizer, self.model_dir)
         if not self.eos_ids:
             raise ValueError(f"the tokenizer of {self.model_dir} defines no EOS token")
+        self._samplers: dict[int, tuple[TaskConfig, Any]] = {}
+
+    def prepare_samplers(self, task_cfgs: list[TaskConfig], *, trained: list[TaskConfig] = ()) -> list[tuple[str, Any]]:
+        """Build the samplers of ``task_cfgs`` now, before any model loads, so that a dataset the run
+        cannot use stops it first (``DataError``: no usable prompt, every prompt too long for the
+        model, or, for the tasks this rank trains on (``trained``), a sequence longer than
+        ``pack_max_length``); :func:`build_tasks` then takes these instead of building new ones.
+        Returns ``(task name, sampler)`` pairs."""
+        out, errors = [], []
+        for tc in task_cfgs:
+            sampler = tc.sampler.build(tokenizer=self.tokenizer, task_name=tc.task_name, seed=self.seed)
+            self._samplers[id(tc)] = (tc, sampler)
+            out.append((tc.task_name, sampler))
+            errors += self._check_prompts(tc, sampler, trains=any(tc is t for t in trained))
+        if errors:
+            raise DataError("\n".join(errors))
+        return out
+
+    def _check_prompts(self, tc: TaskConfig, sampler, *, trains: bool) -> list[str]:
+        """Errors (warnings are logged) of ``tc``'s prompts against the model's context and a pack."""
+        lengths = sampler.prompt_lengths()
+        max_tokens = getattr(getattr(tc.agent_loop.cfg, "sample_params", None), "max_tokens", None)
+        if not lengths or not isinstance(max_tokens, int):
+            return []
+        context, src = model_context(self.model_cfg)
+        pack = self.worker_cfg.pack_max_length if trains else None
+        errors, warnings = check_prompt_lengths(tc.task_name, lengths, max_tokens, context, src, pack)
+        for w in warnings:
+            log.warning("%s", w)
+        return errors
+
+    def take_sampler(self, tc: TaskConfig):
+        """The sampler :meth:`prepare_samplers` built for ``tc``, else a new one."""
+        owner, sampler = self._samplers.pop(id(tc), (None, None))
+        if owner is tc:
+            return sampler
+        return tc.sampler.build(tokenizer=self.tokenizer, task_name=tc.task_name, seed=self.seed)
 
     def build_backend(self, version: int = 0, shard: tuple[int, int] | None = None) -> InferenceBackend:
         """The recipe's inference backend; ``shard=(index, replicas)`` when not every rank hosts one."""
@@ -175,7 +215,7 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
     for tc in task_cfgs:
         pool = build_judge_pool(tc)
         pools.append(pool)
-        sampler = tc.sampler.build(tokenizer=env.tokenizer, task_name=tc.task_name, seed=env.seed)
+        sampler = env.take_sampler(tc)
         if isinstance(sampler, Shardable):
             sampler.shard(index, count)  # every rank rolls out distinct prompts
         loop = tc.agent_loop.build(backend=backend, judge_pool=pool, tokenizer=env.tokenizer,

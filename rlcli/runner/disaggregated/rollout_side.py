@@ -18,6 +18,7 @@ from rlcli.runner.disaggregated.protocol import (
     SyncWeights, _report,
 )
 from rlcli.runner.evaluation import Evaluator
+from rlcli.runner.records import write_skipped_rows
 from rlcli.runner.schedule import share
 from rlcli.runner.setup import build_tasks
 from rlcli.runner.transport import RemoteFailure, receive_weights, recv, send
@@ -48,6 +49,11 @@ class RolloutSide:
         shard = (self.index, n)
         self.share = share(self.cfg.train_batch_size, self.index, n)  # this rank's groups of every step
         env = boot.env
+        # the data before any model: a dataset without a usable prompt stops the run here
+        eval_tasks = self.recipe.eval.tasks if self.cfg.enable_evaluate else []
+        samplers = env.prepare_samplers(self.recipe.tasks + eval_tasks)  # the train ranks read no data
+        if self.index == 0:
+            write_skipped_rows(boot.work_dir, samplers)
         self.backend = env.build_backend(shard=shard)
         interval = self.cfg.sync_weights_interval
         tasks, pools = build_tasks(env, self.recipe.tasks, self.backend, salt="train", sync_weights_interval=interval,

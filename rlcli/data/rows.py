@@ -1,0 +1,168 @@
+"""Reading an RL JSONL file row by row: every bad row is located (``file:line``), skipped and given
+its reason; nothing in a row can stop the reading.
+
+A line is a usable :class:`Row` when it passes, in this order:
+
+``size``          at most ``max_row_bytes`` bytes (default 1 MiB); a longer line is skipped without
+                  being read into memory whole
+``encoding``      valid UTF-8 (a byte-order mark on the first line is allowed)
+``json``          valid JSON
+``shape``         an object whose ``prompt`` is a string or a non-empty list of ``{role, content}``
+                  messages, with a string ``data_source`` and object ``reward_model`` / ``extra_info``
+``empty_prompt``  some non-system message has non-blank content
+``no_label``      ``reward_model.ground_truth`` is present and not blank (with ``require_label``)
+
+Otherwise the reader yields a :class:`SkippedRow` with that ``kind``. Blank lines are not rows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any, Iterator, NamedTuple
+
+DEFAULT_MAX_ROW_BYTES = 1 << 20  # 1 MiB: GSM8K rows are about 1 KB, a 100k-token prompt about 400 KB
+_CHUNK = 1 << 16
+
+
+class SkippedRow(NamedTuple):
+    """A row left out of a dataset: where it is, what kind of problem (see the module doc), why."""
+
+    file: str
+    line: int
+    kind: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.reason}"
+
+
+class Row(NamedTuple):
+    """A usable row: its line number and its parsed fields."""
+
+    line: int
+    messages: list[dict]
+    data_source: str
+    reward_model: dict
+    extra_info: dict
+
+
+class _Bad(ValueError):
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+def _messages(prompt: Any) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    raise _Bad("shape", "'prompt' must be a string or a non-empty list of {role, content} messages")
+
+
+def parse_row(obj: Any, require_label: bool = True) -> tuple[list[dict], str, dict, dict]:
+    """``(messages, data_source, reward_model, extra_info)`` of one decoded JSON row; ``ValueError``
+    (with a ``kind``) saying what is wrong."""
+    if not isinstance(obj, dict):
+        raise _Bad("shape", f"expected a JSON object, got {type(obj).__name__}")
+    messages = _messages(obj.get("prompt"))
+    data_source = obj.get("data_source", "")
+    if not isinstance(data_source, str):
+        raise _Bad("shape", "'data_source' must be a string")
+    reward_model = obj.get("reward_model") or {}
+    if not isinstance(reward_model, dict):
+        raise _Bad("shape", "'reward_model' must be an object")
+    extra = obj.get("extra_info") or {}
+    if not isinstance(extra, dict):
+        raise _Bad("shape", "'extra_info' must be an object")
+    if not any(m["content"].strip() for m in messages if m["role"] != "system"):
+        raise _Bad("empty_prompt", "empty prompt (no message with text besides system messages)")
+    label = reward_model.get("ground_truth")
+    if require_label and (label is None or (isinstance(label, str) and not label.strip())):
+        raise _Bad("no_label", "no label: reward_model.ground_truth is missing or blank (set the sampler's "
+                   "require_label: false for a judger that needs none)")
+    return messages, data_source, reward_model, extra
+
+
+def _lines(f, max_bytes: int | None) -> Iterator[tuple[int, bytes | None, int]]:
+    """``(line number, bytes, size)`` of every line; ``bytes`` is None for a line over ``max_bytes``,
+    which is skipped in chunks (never held whole)."""
+    lineno = 0
+    while True:
+        line = f.readline() if max_bytes is None else f.readline(max_bytes + 1)
+        if not line:
+            return
+        lineno += 1
+        if max_bytes is None or len(line.rstrip(b"\n")) <= max_bytes:
+            yield lineno, line, len(line)
+            continue
+        size = len(line)
+        while not line.endswith(b"\n"):
+            line = f.readline(_CHUNK)
+            if not line:
+                break
+            size += len(line)
+        yield lineno, None, size - line.endswith(b"\n")
+
+
+def _decode(line: bytes, first: bool) -> str:
+    try:
+        return line.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Bad("encoding", f"not valid UTF-8 ({exc.reason} at byte {exc.start} of the line: "
+                   f"{line[exc.start:exc.start + 4]!r}); the file must be UTF-8") from None
+
+
+def read_rows(path: str | Path, *, max_row_bytes: int | None = DEFAULT_MAX_ROW_BYTES,
+              require_label: bool = True) -> Iterator[Row | SkippedRow]:
+    """Every row of ``path`` in file order, each a :class:`Row` or a :class:`SkippedRow`.
+
+    ``OSError`` only when the file cannot be opened or read; a bad row never raises.
+    """
+    where = str(path)
+    with open(path, "rb") as f:
+        for lineno, line, size in _lines(f, max_row_bytes):
+            try:
+                if line is None:
+                    raise _Bad("size", f"row of {size:,} bytes is longer than max_row_bytes={max_row_bytes:,} "
+                               "(raise the sampler's max_row_bytes to keep such rows)")
+                if not line.strip():
+                    continue
+                text = _decode(line, lineno == 1)
+                try:
+                    obj = json.loads(text)
+                except json.JSONDecodeError as exc:
+                    raise _Bad("json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+                except RecursionError:
+                    raise _Bad("json", "invalid JSON (nested too deeply)") from None
+                yield Row(lineno, *parse_row(obj, require_label))
+            except _Bad as bad:
+                yield SkippedRow(where, lineno, bad.kind, str(bad))
+
+
+def first_usable_row(path: str | Path, **limits: Any) -> tuple[Row | None, list[SkippedRow]]:
+    """The first usable row of ``path`` (None if there is none) and the rows skipped before it."""
+    skipped: list[SkippedRow] = []
+    for r in read_rows(path, **limits):
+        if isinstance(r, Row):
+            return r, skipped
+        skipped.append(r)
+    return None, skipped
+
+
+def summarize(skipped: list[SkippedRow]) -> str:
+    """``"3 encoding, 1 no_label"``: the skipped rows counted by kind, most frequent first."""
+    return ", ".join(f"{n} {kind}" for kind, n in Counter(s.kind for s in skipped).most_common())
+
+
+def no_usable_row_message(path: str | Path, skipped: list[SkippedRow], shown: int = 3) -> str:
+    """Why ``path`` has no usable row, locating the first ``shown`` bad rows."""
+    if not skipped:
+        return f"{path} holds no rows (the file is empty or blank): every task needs at least one usable row"
+    first = "; ".join(str(s) for s in skipped[:shown])
+    more = f"; and {len(skipped) - shown} more" if len(skipped) > shown else ""
+    return f"no usable row in {path}: all {len(skipped)} rows are bad ({summarize(skipped)}): {first}{more}"
