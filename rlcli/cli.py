@@ -80,6 +80,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     from rlcli.runner import rank_entry, run
     from rlcli.runner.setup import WorkDirInUse
 
+    path_errors = _path_errors()
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     disaggregated = rec.trainer.mode == "disaggregated"
     if disaggregated:  # one launch, split into train and rollout ranks: check the split before any rank starts
@@ -94,7 +95,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
             if main_result is None:  # not node 0: rank 0 reports
                 return
             path, final = main_result
-    except WorkDirInUse as exc:
+    except (WorkDirInUse, *path_errors) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     except (ValueError, RankFailed) as exc:
@@ -125,10 +126,23 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
         sys.exit(EXIT_RECIPE_ERROR)
     from rlcli.runner.evaluate import run_eval
 
-    metrics, out = run_eval(rec, checkpoint, out_dir)
+    try:
+        metrics, out = run_eval(rec, checkpoint, out_dir)
+    except _path_errors() as exc:
+        click.secho(str(exc), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
     for k, v in sorted(metrics.items()):
         click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
+
+
+def _path_errors() -> tuple[type[Exception], ...]:
+    """Errors that end ``train`` and ``eval`` with their message and exit 2: a checkpoint refused
+    (unsafe or damaged) and a write that failed (a full disk), each naming its path."""
+    from rlcli.fsutil import WriteError
+    from rlcli.train.checkpoint_files import CheckpointError
+
+    return CheckpointError, WriteError
 
 
 def _check_launch(recipe: str, rec, world_size: int) -> None:
