@@ -98,7 +98,12 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     except (WorkDirInUse, *path_errors) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
-    except (ValueError, RankFailed) as exc:
+    except RankFailed as exc:
+        named = [m.split(": ", 1)[1] for m in exc.errors.values()
+                 if m.split(": ", 1)[0] in {e.__name__ for e in path_errors}]
+        click.secho("\n".join(named) if named else f"training failed: {exc}", fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR if named else 1)
+    except ValueError as exc:
         click.secho(f"training failed: {exc}", fg="red", err=True)
         sys.exit(1)
     if not quiet:
