@@ -357,3 +357,22 @@ def test_a_damaged_checkpoint_file_is_named(tmp_path):
         (tmp_path / name).write_bytes(b"not a checkpoint")
         with pytest.raises(ckpt.CheckpointError, match=f"{tmp_path / name}: cannot be read .*damaged"):
             read(tmp_path / name)
+
+
+def test_a_launched_run_reports_a_ranks_path_error_with_exit_2(tmp_path, monkeypatch):
+    """With several ranks the error comes back through the launcher: its message, exit 2."""
+    from click.testing import CliRunner
+
+    from rlcli import launch
+    from rlcli.cli import cli
+
+    def failed(*args, **kwargs):
+        raise launch.RankFailed("rank 1 (exit code 1): ...traceback...",
+                                {1: "WriteError: cannot write /w/checkpoints/step-8.tmp/rank-1.pt: No space left"})
+
+    monkeypatch.setattr(launch, "launch", failed)
+    shutil.copy(FIXTURE / "recipe.yaml", tmp_path / "recipe.yaml")
+    shutil.copy(FIXTURE.parent / "arith.jsonl", tmp_path / "arith.jsonl")
+    r = CliRunner().invoke(cli, ["train", str(tmp_path / "recipe.yaml"), "--nproc-per-node", "2"])
+    assert r.exit_code == 2 and "cannot write /w/checkpoints/step-8.tmp/rank-1.pt: No space left" in r.output
+    assert "traceback" not in r.output
