@@ -76,11 +76,11 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
       rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
     """
     rec = _load(recipe, overrides)
-    from rlcli.data.base import DataError
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
     from rlcli.runner.setup import WorkDirInUse
 
+    path_errors = _path_errors()
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
     disaggregated = rec.trainer.mode == "disaggregated"
     _check_launch(recipe, rec, spec.world_size)  # the recipe against the ranks, before any rank starts
@@ -94,10 +94,15 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
             if main_result is None:  # not node 0: rank 0 reports
                 return
             path, final = main_result
-    except (WorkDirInUse, DataError) as exc:
+    except (WorkDirInUse, *path_errors) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
-    except (ValueError, RankFailed) as exc:
+    except RankFailed as exc:
+        named = [m.split(": ", 1)[1] for m in exc.errors.values()
+                 if m.split(": ", 1)[0] in {e.__name__ for e in path_errors}]
+        click.secho("\n".join(named) if named else f"training failed: {exc}", fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR if named else 1)
+    except ValueError as exc:
         click.secho(f"training failed: {exc}", fg="red", err=True)
         sys.exit(1)
     if not quiet:
@@ -123,17 +128,27 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     if rec.eval is None or not rec.eval.tasks:
         click.secho(f"{recipe}: the recipe has no eval.tasks to evaluate", fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
-    from rlcli.data.base import DataError
     from rlcli.runner.evaluate import run_eval
 
     try:
         metrics, out = run_eval(rec, checkpoint, out_dir)
-    except DataError as exc:
+    except _path_errors() as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     for k, v in sorted(metrics.items()):
         click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
+
+
+def _path_errors() -> tuple[type[Exception], ...]:
+    """Errors that end ``train`` and ``eval`` with their message and exit 2, each naming its file:
+    a checkpoint refused (unsafe or damaged), a write that failed (a full disk) and a data file with
+    no usable row."""
+    from rlcli.data.base import DataError
+    from rlcli.fsutil import WriteError
+    from rlcli.train.checkpoint_files import CheckpointError
+
+    return CheckpointError, WriteError, DataError
 
 
 def _check_launch(recipe: str, rec, world_size: int) -> None:

@@ -1,23 +1,59 @@
-"""Atomic writes: a JSONL file through ``<name>.tmp``; a directory built in ``<dest>.tmp``, then swapped in."""
+"""Atomic writes: a JSONL file through ``<name>.tmp``; a directory built in ``<dest>.tmp``, then swapped in.
+
+A write that fails (a full disk, a read-only directory) raises :class:`WriteError`, whose message
+names the path and the cause.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
 
+_HINTS = {
+    errno.ENOSPC: "free space on that disk, or write somewhere else (--work-dir, --out-dir), and run again",
+    errno.EDQUOT: "your disk quota is used up; free space, or write somewhere else, and run again",
+}
+
+
+class WriteError(OSError):
+    """Writing ``path`` failed; ``errno`` is the cause's, the message names the path, the cause and a fix."""
+
+    def __init__(self, path: str | Path, cause: OSError, note: str = ""):
+        reason = cause.strerror or str(cause)
+        hint = _HINTS.get(cause.errno)
+        message = f"cannot write {path}: {reason}" + (f"; {hint}" if hint else "") + (f". {note}" if note else "")
+        super().__init__(cause.errno, message, str(path))
+        self.path, self.cause, self.note = Path(path), cause, note
+
+    def __reduce__(self):
+        return type(self), (self.path, self.cause, self.note)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` (parents created) through ``<name>.tmp`` and a rename."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise WriteError(path, exc) from None
+    return path
+
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
-    """Write ``rows`` as JSON lines to ``path`` (parents created), through a temporary file and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r, default=str) + "\n")
-    os.replace(tmp, path)
-    return path
+    """Write ``rows`` as JSON lines to ``path``, as :func:`write_text`."""
+    return write_text(path, "".join(json.dumps(r, default=str) + "\n" for r in rows))
 
 
 def publish_dir(tmp: str | Path, dest: str | Path) -> Path:

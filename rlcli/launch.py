@@ -44,7 +44,12 @@ def free_port() -> int:
 
 
 class RankFailed(RuntimeError):
-    """A rank raised; the message holds the failing rank's error and traceback."""
+    """A rank raised; the message holds the failing ranks' errors and tracebacks, ``errors`` each
+    failing rank's ``Type: message`` line."""
+
+    def __init__(self, message: str, errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.errors = errors or {}
 
 
 def launch(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, Any]:
@@ -74,14 +79,15 @@ def launch(spec: LaunchSpec, fn: Callable[..., Any], *args: Any) -> dict[int, An
     try:
         return elastic_launch(config, fn)(*args)
     except ChildFailedError as exc:
-        lines = []
+        lines, errors = [], {}
         for r, failure in sorted(exc.failures.items()):
             msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
             tb = ""
             if isinstance(failure.message, dict):
                 tb = failure.message.get("extraInfo", {}).get("py_callstack", "")
             lines.append(f"rank {r} (exit code {failure.exitcode}): {msg}\n{tb}".rstrip())
-        raise RankFailed("\n".join(lines) or str(exc)) from None
+            errors[r] = msg
+        raise RankFailed("\n".join(lines) or str(exc), errors) from None
     finally:
         if "OMP_NUM_THREADS" not in env:
             os.environ.pop("OMP_NUM_THREADS", None)

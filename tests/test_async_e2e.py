@@ -86,7 +86,7 @@ def fit(recipe):
 def checkpoint_manager_state(ckpt):
     import torch
 
-    extra = torch.load(ckpt / "extra_state.pt", weights_only=False)
+    extra = torch.load(ckpt / "extra_state.pt", weights_only=True)
     return extra["managers"][0] if "managers" in extra else extra["manager"]
 
 

@@ -1,18 +1,32 @@
-"""Checkpoints: exact resume, atomic saves, crash leftovers, latest/prune, weights-only loads."""
+"""Checkpoints: exact resume, atomic saves, crash leftovers, latest/prune, weights-only loads; loading
+cannot run code; a full disk is reported with the file's path and leaves the previous checkpoint."""
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import errno
 import json
+import pickle
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from rlcli.algo.loss import VanillaPolicyLoss
 from rlcli.config import ModelConfig, TrainWorkerConfig
+from rlcli.fsutil import WriteError, write_jsonl
 from rlcli.models import tiny_model_dir
 from rlcli.train import checkpoint as ckpt
+from rlcli.train import checkpoint_files
 from rlcli.train.data import TrainSequence
 from rlcli.train.worker import TrainWorker
 
@@ -102,7 +116,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(model_dir, tmp_path, monkeypat
     def crash(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(ckpt.dcp, "save", crash)
+    monkeypatch.setattr(checkpoint_files.dcp, "save", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         w.save_checkpoint(ckpt.step_dir(tmp_path, 2), {"step": 2})
     monkeypatch.undo()
@@ -166,3 +180,199 @@ def test_rng_state_round_trip():
     ckpt.restore_rng_state(state)
     again = (random.random(), float(np.random.rand()), torch.rand(3))
     assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+
+
+def test_new_checkpoints_hold_only_plain_data(model_dir, tmp_path):
+    """Every ``*.pt`` loads with a bare ``weights_only=True``; numpy's RNG key is a list of ints."""
+    w = make_worker(model_dir)
+    run(w, [1])
+    p = w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
+    rank_state = torch.load(p / "rank-0.pt", weights_only=True)
+    assert isinstance(rank_state["rng"]["numpy"][1], list) and len(rank_state["rng"]["numpy"][1]) == 624
+    assert torch.load(p / "extra_state.pt", weights_only=True) == {"step": 1}
+    with pytest.raises(TypeError, match=r"extra_state.pt: .*only tensors and plain data.*holds .*numpy.ndarray"):
+        w.save_checkpoint(ckpt.step_dir(tmp_path, 2), {"step": 2, "key": np.zeros(3)})
+
+
+class Hostile:
+    """Unpickling it runs code: it creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').close()",)
+
+
+def plant(kind: str, path: Path, marker: Path, w: TrainWorker) -> None:
+    """Replace one file of the checkpoint at ``path`` by one that runs code when unpickled."""
+    if kind == "weights/.metadata":
+        (path / kind).write_bytes(pickle.dumps(Hostile(marker)))
+    elif kind == "optimizer entry":  # a param-group hyperparameter inside the DCP shards
+        w.model.reshard()
+        msd, osd = get_state_dict(w.model, w.optimizer)
+        osd["param_groups"][0]["lr"] = Hostile(marker)
+        shutil.rmtree(path / "weights")
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path / "weights"))
+    else:
+        torch.save({"rng": Hostile(marker), "step": 1}, path / kind)
+
+
+def load_as_before(kind: str, path: Path, w: TrainWorker) -> None:
+    """How rlcli read that file before issue 28 (to prove the planted file does run code)."""
+    if kind == "weights/.metadata":
+        pickle.loads((path / kind).read_bytes())
+    elif kind == "optimizer entry":
+        msd, osd = get_state_dict(w.model, w.optimizer)
+        with contextlib.suppress(Exception):
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(path / "weights"))
+    else:
+        torch.load(path / kind, weights_only=False)
+
+
+@pytest.mark.parametrize("kind", ["extra_state.pt", "rank-0.pt", "weights/.metadata", "optimizer entry"])
+def test_a_checkpoint_that_runs_code_is_refused_unrun(model_dir, tmp_path, kind):
+    w = make_worker(model_dir)
+    run(w, [1])
+    path = w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
+    marker = tmp_path / "MARKER"
+    plant(kind, path, marker, w)
+    fresh = make_worker(model_dir)
+    with pytest.raises(ckpt.CheckpointError, match="refused to load.*builtins.exec.*cannot run code") as got:
+        fresh.load_checkpoint(path)
+    assert str(path / kind.replace("optimizer entry", "weights")) in str(got.value)
+    assert not marker.exists(), "loading the checkpoint ran its code"
+    load_as_before(kind, path, fresh)
+    assert marker.exists(), "the planted file does not run code: the test proves nothing"
+
+
+def test_full_disk_during_a_checkpoint_write_keeps_the_previous_one(model_dir, tmp_path, monkeypatch):
+    """ENOSPC from the kernel (/dev/full) in each kind of write: a message with the path, no
+    ``step-N.tmp`` left to fill the disk, the previous checkpoint loads as saved."""
+    w = make_worker(model_dir)
+    run(w, [1])
+    good = w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
+    before = weights(w)
+    run(w, [2])
+    real_open = builtins.open
+
+    def open_full(path, mode="r", *args, **kwargs):  # the writes of step 2 hit a full disk
+        return real_open("/dev/full" if "step-2" in str(path) and "w" in mode else path, mode, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def stream_full(fs, path, mode):
+        with open_full(path, mode) as f:
+            yield f
+
+    for target, name, fake in [(checkpoint_files, "open", open_full),  # rank-0.pt
+                               (dcp_filesystem.FileSystem, "create_stream", stream_full)]:  # DCP's shards
+        with monkeypatch.context() as m:
+            m.setattr(target, name, fake, raising=False)
+            with pytest.raises(WriteError) as got:
+                w.save_checkpoint(ckpt.step_dir(tmp_path, 2), {"step": 2})
+        msg = str(got.value)
+        assert got.value.errno == errno.ENOSPC and "No space left on device" in msg, msg
+        assert f"cannot write {tmp_path / 'step-2.tmp'}" in msg and f"previous checkpoint {good} is intact" in msg
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["step-1"]
+    fresh = make_worker(model_dir)
+    assert fresh.load_checkpoint(ckpt.latest_checkpoint(tmp_path)) == {"step": 1}
+    assert all(torch.equal(before[k], v) for k, v in weights(fresh).items())
+
+
+def test_a_swallowed_write_error_on_a_full_disk_is_reported_as_one(model_dir, tmp_path, monkeypatch):
+    """torch's zip writer can lose the OSError of a full disk (``unexpected pos``): a full device names it."""
+    w = make_worker(model_dir)
+    run(w, [1])
+
+    def lost(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(checkpoint_files.dcp, "save", lost)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # room on the disk: not a full disk
+        w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
+    monkeypatch.setattr(checkpoint_files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    with pytest.raises(WriteError, match=r"cannot write .*step-1.tmp/weights: No space left on device"):
+        w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
+
+
+def test_full_disk_during_an_eval_write(tmp_path):
+    """The eval files (and every JSONL rlcli writes) name the path; the previous file stays."""
+    out = tmp_path / "eval" / "step-4.jsonl"
+    write_jsonl(out, [{"a": 1}])
+    (tmp_path / "eval" / "step-4.jsonl.tmp").symlink_to("/dev/full")
+    with pytest.raises(WriteError, match=f"cannot write {out}: No space left on device; free space"):
+        write_jsonl(out, [{"a": 2}])
+    assert out.read_text() == '{"a": 1}\n' and not (tmp_path / "eval" / "step-4.jsonl.tmp").exists()
+
+
+FIXTURE = Path(__file__).resolve().parent / "data" / "ckpt-v0" / "colocate"
+
+
+def rlcli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlcli.cli", *args], capture_output=True, text=True, timeout=300,
+                          check=False)
+
+
+@pytest.mark.parametrize("command", ["eval", "train"])
+def test_the_cli_refuses_a_checkpoint_that_runs_code(tmp_path, command):
+    """``rlcli eval --checkpoint`` and auto-resume: exit 2, the file named, the code never run."""
+    shutil.copy(FIXTURE / "recipe.yaml", tmp_path / "recipe.yaml")  # auto_resume: true
+    shutil.copy(FIXTURE.parent / "arith.jsonl", tmp_path / "arith.jsonl")
+    path = tmp_path / "work" / "checkpoints" / "step-4"
+    shutil.copytree(FIXTURE / "checkpoints" / "step-4", path)
+    marker = tmp_path / "MARKER"
+    torch.save({"step": Hostile(marker)}, path / "extra_state.pt")
+    if command == "eval":
+        r = rlcli("eval", str(tmp_path / "recipe.yaml"), "--checkpoint", str(path), "--out-dir", str(tmp_path / "out"))
+    else:
+        r = rlcli("train", str(tmp_path / "recipe.yaml"), "--work-dir", str(tmp_path / "work"), "--quiet")
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert f"{path / 'extra_state.pt'}: refused to load: it names builtins.exec" in r.stderr
+    assert "Traceback" not in r.stderr and not marker.exists()
+
+
+def test_rlcli_eval_on_a_full_disk_says_so(tmp_path):
+    """A real ENOSPC (``/dev/full``) while ``rlcli eval`` writes its metrics: exit 2, the path, no traceback."""
+    from click.testing import CliRunner
+
+    from rlcli.cli import cli
+
+    shutil.copy(FIXTURE / "recipe.yaml", tmp_path / "recipe.yaml")
+    shutil.copy(FIXTURE.parent / "arith.jsonl", tmp_path / "arith.jsonl")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "eval_metrics.json.tmp").symlink_to("/dev/full")
+    state = ckpt.capture_rng_state()  # the command seeds the process: give the test process its own back
+    try:
+        r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--out-dir", str(out)])
+    finally:
+        ckpt.restore_rng_state(state)
+    assert r.exit_code == 2, r.output
+    assert f"cannot write {out / 'eval_metrics.json'}: No space left on device" in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit)
+
+
+def test_a_damaged_checkpoint_file_is_named(tmp_path):
+    for name, read in [("extra_state.pt", checkpoint_files.load_pt), (".metadata", checkpoint_files._read_metadata)]:
+        (tmp_path / name).write_bytes(b"not a checkpoint")
+        with pytest.raises(ckpt.CheckpointError, match=f"{tmp_path / name}: cannot be read .*damaged"):
+            read(tmp_path / name)
+
+
+def test_a_launched_run_reports_a_ranks_path_error_with_exit_2(tmp_path, monkeypatch):
+    """With several ranks the error comes back through the launcher: its message, exit 2."""
+    from click.testing import CliRunner
+
+    from rlcli import launch
+    from rlcli.cli import cli
+
+    def failed(*args, **kwargs):
+        raise launch.RankFailed("rank 1 (exit code 1): ...traceback...",
+                                {1: "WriteError: cannot write /w/checkpoints/step-8.tmp/rank-1.pt: No space left"})
+
+    monkeypatch.setattr(launch, "launch", failed)
+    shutil.copy(FIXTURE / "recipe.yaml", tmp_path / "recipe.yaml")
+    shutil.copy(FIXTURE.parent / "arith.jsonl", tmp_path / "arith.jsonl")
+    r = CliRunner().invoke(cli, ["train", str(tmp_path / "recipe.yaml"), "--nproc-per-node", "2"])
+    assert r.exit_code == 2 and "cannot write /w/checkpoints/step-8.tmp/rank-1.pt: No space left" in r.output
+    assert "traceback" not in r.output

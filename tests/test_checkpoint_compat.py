@@ -139,6 +139,6 @@ def test_old_disaggregated_checkpoint_resumes(tmp_path):
     trained_after = [tuple(g) for r in ledger for g in r["groups"]]
     assert len(trained_after) == len(set(trained_after)) == (TOTAL - STEP) * 10
     assert not trained_before & set(trained_after), "a group trained before the checkpoint was trained again"
-    saved = torch.load(work / "checkpoints" / f"step-{TOTAL}" / "extra_state.pt", weights_only=False)
+    saved = torch.load(work / "checkpoints" / f"step-{TOTAL}" / "extra_state.pt", weights_only=True)
     assert saved["step"] == TOTAL and saved["mode"] == "disaggregated"
     assert saved["placement"] == {"train": [0], "rollout": [1]}

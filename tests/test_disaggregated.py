@@ -378,7 +378,7 @@ def test_sigkill_then_auto_resume_loses_and_repeats_no_buffered_group(repo, tmp_
     finally:
         _kill_session(proc)
     assert not (work / "checkpoints" / "step-12").exists(), "the run finished before the kill; the test proves nothing"
-    saved = torch.load(work / "checkpoints" / "step-4" / "extra_state.pt", weights_only=False)
+    saved = torch.load(work / "checkpoints" / "step-4" / "extra_state.pt", weights_only=True)
     assert saved["step"] == 4 and len(saved["managers"]) == 2
     buffered_at_kill = {g for m in saved["managers"] for g in _group_ids(m)}
     assert buffered_at_kill, "nothing was buffered at the checkpoint; the test proves nothing"
@@ -390,7 +390,7 @@ def test_sigkill_then_auto_resume_loses_and_repeats_no_buffered_group(repo, tmp_
     assert [row["step"] for row in book] == list(range(1, 13))
     trained = [tuple(g) for row in book for g in row["groups"]]
     assert len(trained) == len(set(trained)) == 12 * 20, "a group was trained twice"
-    final = torch.load(work / "checkpoints" / "step-12" / "extra_state.pt", weights_only=False)
+    final = torch.load(work / "checkpoints" / "step-12" / "extra_state.pt", weights_only=True)
     buffered = {g for m in final["managers"] for g in _group_ids(m)}
     sampled = set()
     n = len(final["managers"])

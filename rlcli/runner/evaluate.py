@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from rlcli.config import Recipe
-from rlcli.fsutil import write_jsonl
+from rlcli.fsutil import write_jsonl, write_text
 from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.records import sample_row, write_skipped_rows
 from rlcli.runner.setup import Environment, default_work_dir, setup_logging
@@ -43,7 +42,5 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
         backend.shutdown()
         loop.close()
     write_jsonl(out / "eval.jsonl", [sample_row(s) for s in samples])
-    tmp = out / "eval_metrics.json.tmp"
-    tmp.write_text(json.dumps(metrics, indent=2))
-    os.replace(tmp, out / "eval_metrics.json")
+    write_text(out / "eval_metrics.json", json.dumps(metrics, indent=2))
     return metrics, out

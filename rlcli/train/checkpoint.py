@@ -12,23 +12,28 @@ Saving is atomic: everything goes to ``step-N.tmp`` and is renamed to ``step-N``
 so a crash mid-save leaves earlier checkpoints intact and no half-written ``step-N``. Leftover
 ``.tmp`` directories are never picked up by :func:`latest_checkpoint` and are removed by the
 next save (or :func:`clean_incomplete`). A filesystem shared by all ranks is assumed (as DCP
-does). ``*.pt`` files are written and read by rlcli itself (``torch.load(weights_only=False)``):
-load only checkpoints you trust.
+does). A save that fails to write (a full disk) raises :class:`rlcli.fsutil.WriteError` naming the
+file, removes its ``.tmp`` directory and leaves the earlier checkpoints as they were.
+
+Loading cannot run code: every file is read as tensors and plain data only, and anything else is
+refused with :class:`CheckpointError` (see :mod:`rlcli.train.checkpoint_files`). RNG states are
+saved as plain values (numpy's key as a list of ints) for the same reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,7 +44,15 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlcli.dist import barrier, is_main, rank, world_size
 from rlcli.faults import fault_point
-from rlcli.fsutil import publish_dir
+from rlcli.fsutil import WriteError, publish_dir
+from rlcli.train.checkpoint_files import (
+    CheckpointError,
+    load_pt,
+    load_weights,
+    save_pt,
+    save_weights,
+    write_bytes,
+)
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -107,9 +120,10 @@ def clean_incomplete(root: str | Path) -> list[Path]:
 # ------------------------------------------------------------------------------------ RNG
 def capture_rng_state() -> dict[str, Any]:
     """Python, numpy, torch CPU and (if initialised) CUDA generator states of this process."""
+    name, key, pos, has_gauss, cached_gaussian = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (name, key.tolist(), int(pos), int(has_gauss), float(cached_gaussian)),  # plain values
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -119,20 +133,14 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]  # the key is an ndarray in checkpoints written before issue 28
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
 # --------------------------------------------------------------------------- save / load
-def _fsync_write(path: Path, data: str) -> None:
-    with open(path, "w") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def save_checkpoint(
     path: str | Path,
     model: torch.nn.Module,
@@ -150,11 +158,24 @@ def save_checkpoint(
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    try:
+        _write(path, tmp, model, optimizer, scheduler, extra_state, no_optimizer)
+    except WriteError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back; earlier checkpoints are untouched
+        previous = latest_checkpoint(path.parent)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise WriteError(exc.path, exc.cause, f"Checkpoint {path.name} was not saved; {kept}") from None
+    return path
+
+
+def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_optimizer: bool) -> None:
+    """The body of :func:`save_checkpoint`: fill ``tmp``, then publish it as ``path``."""
     if is_main():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        clean_incomplete(path.parent)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+        with _naming(path.parent):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            clean_incomplete(path.parent)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
     barrier()
 
     with_optim = optimizer is not None and not no_optimizer and bool(optimizer.state)
@@ -163,25 +184,43 @@ def save_checkpoint(
         state = {"model": msd, "optim": osd}
     else:
         state = {"model": get_model_state_dict(model)}
-    dcp.save(state, checkpoint_id=str(tmp / "weights"))
+    save_weights(state, tmp / "weights")
     fault_point(f"checkpoint:after_weights:{path.name}")
 
     rank_state = {"rng": capture_rng_state(), "scheduler": scheduler.state_dict() if scheduler is not None else None}
-    torch.save(rank_state, tmp / f"rank-{rank()}.pt")
+    save_pt(tmp / f"rank-{rank()}.pt", rank_state)
     if is_main():
-        torch.save(extra_state or {}, tmp / "extra_state.pt")
+        save_pt(tmp / "extra_state.pt", extra_state or {})
         meta = {"format": FORMAT_VERSION, "world_size": world_size(), "has_optimizer": with_optim}
-        _fsync_write(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
+        write_bytes(tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     barrier()
     if is_main():
-        _fsync_write(tmp / COMPLETE, "")
-        publish_dir(tmp, path)
+        write_bytes(tmp / COMPLETE, b"")
+        with _naming(path):
+            publish_dir(tmp, path)
     barrier()
-    return path
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Turns an OSError inside into a :class:`WriteError` naming ``path``."""
+    try:
+        yield
+    except WriteError:
+        raise
+    except OSError as exc:
+        raise WriteError(path, exc) from None
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / "meta.json").read_text())
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{file}: cannot be read ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{file}: holds {type(meta).__name__}, not a JSON object")
+    return meta
 
 
 def load_checkpoint(
@@ -204,22 +243,23 @@ def load_checkpoint(
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE} marker)")
     meta = read_meta(path)
     if meta.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format {meta.get('format')} is not supported (expected {FORMAT_VERSION})")
+        raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} is not supported "
+                              f"(expected {FORMAT_VERSION})")
     with_optim = bool(meta["has_optimizer"]) and load_optimizer and optimizer is not None
     if with_optim:
         msd, osd = get_state_dict(model, optimizer)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=str(path / "weights"))
+        load_weights(state, path / "weights")
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=str(path / "weights"))
+        load_weights(state, path / "weights")
         set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
 
     rank_file = path / f"rank-{rank()}.pt"
     if not rank_file.exists() or meta.get("world_size") != world_size():
         rank_file = path / "rank-0.pt"
-    rank_state = torch.load(rank_file, weights_only=False)
+    rank_state = load_pt(rank_file, legacy_rng=True)
     if scheduler is not None and rank_state.get("scheduler") is not None:
         scheduler.load_state_dict(rank_state["scheduler"])
         if optimizer is not None and not with_optim:
@@ -228,4 +268,4 @@ def load_checkpoint(
                 group["lr"] = lr
     if restore_rng:
         restore_rng_state(rank_state["rng"])
-    return torch.load(path / "extra_state.pt", weights_only=False)
+    return load_pt(path / "extra_state.pt")
