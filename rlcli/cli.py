@@ -58,7 +58,9 @@ def cli() -> None:
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Where outputs go (default: trainer.work_dir).")
 @click.option("--quiet", is_flag=True, help="No progress bars or per-step lines.")
-@click.option("--overwrite", is_flag=True, help="Delete an earlier run's outputs in the work dir first.")
+@click.option("--overwrite", is_flag=True,
+              help="Start afresh: delete the outputs rlcli wrote in the work dir (never other files), or use a "
+                   "directory that holds other files.")
 @click.option("--nproc-per-node", type=int, default=1, show_default=True,
               help="Ranks on this machine (one per GPU; gloo ranks on CPU), as torchrun.")
 @click.option("--nnodes", type=int, default=1, show_default=True, help="Machines in the run, as torchrun.")
@@ -78,7 +80,8 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     rec = _load(recipe, overrides)
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
-    from rlcli.runner.setup import WorkDirInUse
+    from rlcli.runner.setup import default_work_dir
+    from rlcli.runner.workdir import WorkDirError, plan_work_dir
 
     path_errors = _path_errors()
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
@@ -86,7 +89,9 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     _check_launch(recipe, rec, spec.world_size)  # the recipe against the ranks, before any rank starts
     try:
         spec.check()
-        if spec.world_size == 1 and not disaggregated:
+        plan = plan_work_dir(Path(work_dir) if work_dir else default_work_dir(rec),
+                             auto_resume=rec.trainer.auto_resume, overwrite=overwrite, recipe=rec)  # before any rank
+        if (spec.world_size == 1 and not disaggregated) or plan.finished is not None:  # a finished run: reported
             path, final = run(rec, work_dir, quiet=quiet, overwrite=overwrite)
         else:
             results = launch(spec, rank_entry, recipe, list(overrides), work_dir, quiet, overwrite)
@@ -94,7 +99,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
             if main_result is None:  # not node 0: rank 0 reports
                 return
             path, final = main_result
-    except (WorkDirInUse, *path_errors) as exc:
+    except (WorkDirError, *path_errors) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     except RankFailed as exc:
@@ -129,10 +134,11 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
         click.secho(f"{recipe}: the recipe has no eval.tasks to evaluate", fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     from rlcli.runner.evaluate import run_eval
+    from rlcli.runner.workdir import WorkDirError
 
     try:
         metrics, out = run_eval(rec, checkpoint, out_dir)
-    except _path_errors() as exc:
+    except (WorkDirError, *_path_errors()) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     for k, v in sorted(metrics.items()):

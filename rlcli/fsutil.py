@@ -1,4 +1,5 @@
-"""Atomic writes: a JSONL file through ``<name>.tmp``; a directory built in ``<dest>.tmp``, then swapped in.
+"""Atomic writes: a JSONL file through ``<name>.tmp``; a directory built in ``<dest>.tmp``, then swapped in
+(and the recovery of what a process killed in the middle left behind).
 
 A write that fails (a full disk, a read-only directory) raises :class:`WriteError`, whose message
 names the path and the cause.
@@ -10,7 +11,9 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 _HINTS = {
@@ -71,3 +74,26 @@ def publish_dir(tmp: str | Path, dest: str | Path) -> Path:
     os.replace(tmp, dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+_STEP = re.compile(r"^step-\d+$")
+
+
+def clean_interrupted(root: str | Path, complete: Callable[[Path], bool]) -> list[Path]:
+    """Undo what a killed :func:`publish_dir` left among the ``step-N`` directories of ``root``: remove
+    every ``step-N.tmp`` (never published), restore a ``step-N.old`` whose ``step-N`` is gone (when
+    ``complete``), remove the other ``.old``. Only these names are touched; returns the removed paths."""
+    root = Path(root)
+    removed: list[Path] = []
+    if not root.is_dir():
+        return removed
+    for p in sorted(root.iterdir()):
+        if not (p.name.endswith((".tmp", ".old")) and _STEP.match(p.name[:-4])):
+            continue
+        final = p.with_name(p.name[:-4])
+        if p.name.endswith(".old") and not final.exists() and complete(p):
+            os.replace(p, final)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from rlcli.config import Recipe
@@ -11,7 +12,18 @@ from rlcli.config import Recipe
 def run(recipe: Recipe, work_dir: str | Path | None, *, quiet: bool = False,
         overwrite: bool = False) -> tuple[Path, dict[str, float]]:
     """Train with the runner of ``recipe.trainer.mode`` on this rank; returns the work dir and the
-    last step's metrics."""
+    last step's metrics. With ``trainer.auto_resume`` a finished run of the same recipe is only
+    reported (its last metrics row), with no model built and nothing written."""
+    from rlcli.runner.setup import default_work_dir
+    from rlcli.runner.workdir import plan_work_dir
+
+    path = Path(work_dir) if work_dir else default_work_dir(recipe)
+    done = plan_work_dir(path, auto_resume=recipe.trainer.auto_resume, overwrite=overwrite, recipe=recipe).finished
+    if done is not None:
+        if not quiet and os.environ.get("RANK", "0") == "0":  # launched ranks have no process group yet
+            print(f"{path} holds this recipe's finished run (step {done['step']}): nothing to do "
+                  f"(pass --overwrite to train it again)")
+        return path, done
     if recipe.trainer.mode == "disaggregated":
         from rlcli.runner.disaggregated import run_disaggregated
 

@@ -30,9 +30,10 @@ from rlcli.runner.records import (
 from rlcli.runner.schedule import Schedule, share, total_train_steps
 from rlcli.runner.sequences import sequences_from_groups
 from rlcli.runner.setup import (
-    Environment, build_tasks, default_work_dir, freeze_heap, prepare_work_dir, seed_everything, setup_logging,
-    thaw_heap, write_resolved,
+    Environment, build_tasks, default_work_dir, freeze_heap, seed_everything, setup_logging, thaw_heap,
+    write_resolved,
 )
+from rlcli.runner.workdir import export_missing, mark_finished, prepare_work_dir
 
 log = logging.getLogger("rlcli")
 
@@ -102,6 +103,8 @@ class ColocateRunner:
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
         last: dict[str, float] = {}
+        if export_missing(self.work_dir, self.step, self.schedule):  # killed while writing it: resumed, redo it
+            self.export_hf(self.step)
         if self.schedule.initial_eval_due(self.step):
             last = self.evaluate(0)
             self.log(0, last)
@@ -136,6 +139,8 @@ class ColocateRunner:
             bar.update(1)
             bar.set_postfix_str(self.summary(last), refresh=False)
         bar.close()
+        if self.main:
+            mark_finished(self.work_dir, self.step, self.recipe)
         return last
 
     # ------------------------------------------------------------------------------- phases
@@ -199,9 +204,13 @@ class ColocateRunner:
                 self.save_checkpoint(step)
         if self.schedule.hf_export_due(step):
             with self.timer("hf_export"):
-                self.worker.save_hf(self.work_dir / "hf" / f"step-{step}", self.env.tokenizer)
-                if self.main:
-                    prune_step_dirs(self.work_dir / "hf", self.cfg.hf_maxkeep)
+                self.export_hf(step)
+
+    def export_hf(self, step: int) -> None:
+        """``hf/step-N`` (collective; rank 0 writes), then the oldest beyond ``hf_maxkeep`` go."""
+        self.worker.save_hf(self.work_dir / "hf" / f"step-{step}", self.env.tokenizer)
+        if self.main:
+            prune_step_dirs(self.work_dir / "hf", self.cfg.hf_maxkeep)
 
     def save_checkpoint(self, step: int) -> None:
         """Collective: DCP shards from every rank, each rank's rollout state gathered into rank 0's file."""

@@ -10,6 +10,7 @@ from rlcli.fsutil import write_jsonl, write_text
 from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.records import sample_row, write_skipped_rows
 from rlcli.runner.setup import Environment, default_work_dir, setup_logging
+from rlcli.runner.workdir import check_dir_path, claim_work_dir
 
 
 def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tuple[dict[str, float], Path]:
@@ -22,6 +23,9 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
         recipe.model = recipe.model.model_copy(update={"path": str(ckpt), "from_scratch": None, "tokenizer": None})
     work_dir = default_work_dir(recipe)
     out = Path(out_dir) if out_dir else work_dir / "eval" / (ckpt.name if ckpt else "base")
+    if out_dir is None or recipe.model.from_scratch is not None:  # it writes into the work dir
+        claim_work_dir(work_dir)
+    check_dir_path(out, "--out-dir" if out_dir else "eval output dir", "--out-dir")
     setup_logging(out, quiet=True)
     env = Environment(recipe, work_dir)
     write_skipped_rows(out, env.prepare_samplers(recipe.eval.tasks))  # the data before any model

@@ -1,6 +1,7 @@
-"""A run's setup, shared by both runners and ``rlcli eval``: the work dir, logging and seeds, the
-:class:`Environment` (device, dtype, model, tokenizer) that builds the inference backend and the
-train worker, the runtime tasks, and the garbage-collector freeze of the start-up heap."""
+"""A run's setup, shared by both runners and ``rlcli eval``: the work dir's default path (what may
+be written there: :mod:`rlcli.runner.workdir`), logging and seeds, the :class:`Environment` (device,
+dtype, model, tokenizer) that builds the inference backend and the train worker, the runtime
+tasks, and the garbage-collector freeze of the start-up heap."""
 
 from __future__ import annotations
 
@@ -74,41 +75,6 @@ def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
         fh.setFormatter(fmt)
         root.addHandler(fh)
     root.propagate = False
-
-
-RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
-               "resolved.yaml", "run.log", "trained_groups.jsonl", "skipped_rows.jsonl")
-
-
-class WorkDirInUse(RuntimeError):
-    pass
-
-
-def prepare_work_dir(work_dir: Path, *, auto_resume: bool, overwrite: bool) -> Path | None:
-    """Decide between resuming and starting fresh; return the checkpoint to resume from.
-
-    A fresh run never mixes its logs or checkpoints with an earlier run's: it refuses a work dir
-    that holds one unless ``overwrite`` (then the earlier outputs are deleted). With
-    ``auto_resume`` the latest complete checkpoint is used; without one, leftovers of a run
-    that died before its first checkpoint are cleared.
-    """
-    import shutil
-
-    from rlcli.train.checkpoint import latest_checkpoint
-
-    ckpt = latest_checkpoint(work_dir / "checkpoints") if auto_resume and not overwrite else None
-    if ckpt is not None:
-        return ckpt
-    present = [n for n in RUN_OUTPUTS if (work_dir / n).exists()]
-    if present and not (overwrite or auto_resume) and {"metrics.jsonl", "checkpoints"} & set(present):
-        raise WorkDirInUse(
-            f"{work_dir} already holds a run ({', '.join(present)}); pass --overwrite to replace it, "
-            f"set trainer.auto_resume=true to continue it, or choose another --work-dir"
-        )
-    for n in present:
-        p = work_dir / n
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    return None
 
 
 class Environment:

@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from rlcli.dist import barrier, is_main, rank, world_size
 from rlcli.faults import fault_point
-from rlcli.fsutil import WriteError, publish_dir
+from rlcli.fsutil import WriteError, clean_interrupted, publish_dir
 from rlcli.train.checkpoint_files import (
     CheckpointError,
     load_pt,
@@ -99,22 +99,7 @@ def prune(root: str | Path, maxkeep: int | None) -> list[Path]:
 
 def clean_incomplete(root: str | Path) -> list[Path]:
     """Remove leftovers of interrupted saves (``*.tmp``); restore a ``step-N.old`` whose ``step-N`` is gone."""
-    root = Path(root)
-    removed: list[Path] = []
-    if not root.is_dir() or not is_main():
-        return removed
-    for p in sorted(root.iterdir()):
-        if p.name.endswith(".tmp") and _STEP_RE.match(p.name[:-4]):
-            shutil.rmtree(p, ignore_errors=True)
-            removed.append(p)
-        elif p.name.endswith(".old") and _STEP_RE.match(p.name[:-4]):
-            final = p.with_name(p.name[:-4])
-            if final.exists() or not is_complete(p):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-            else:
-                os.replace(p, final)
-    return removed
+    return clean_interrupted(root, is_complete) if is_main() else []
 
 
 # ------------------------------------------------------------------------------------ RNG

@@ -7,6 +7,7 @@ their model, group and rank. Every function here is collective over the worker's
 from __future__ import annotations
 
 import copy
+import json
 import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from rlcli.dist import barrier
+from rlcli.faults import fault_point
 from rlcli.fsutil import publish_dir
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
@@ -99,6 +101,19 @@ def full_state_dict(buckets: Iterable[Bucket], keep: bool, device: str | torch.d
     return out
 
 
+def is_complete_export(path: Path) -> bool:
+    """Whether ``path`` is a whole HF export: a readable ``config.json`` and every weights file it needs."""
+    try:
+        if not json.loads((path / "config.json").read_text(encoding="utf-8")):
+            return False
+        if (path / "model.safetensors").is_file():
+            return True
+        shards = json.loads((path / "model.safetensors.index.json").read_text(encoding="utf-8"))["weight_map"]
+        return all((path / f).is_file() for f in set(shards.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
 def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, *, tied: bool,
             tokenizer, writer: bool, group: dist.ProcessGroup | None) -> Path:
     """``TrainWorker.save_hf``: ``writer`` (rank 0 of the group, holding the full ``state``) writes
@@ -124,6 +139,7 @@ def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtyp
         plain.save_pretrained(str(tmp))
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
+        fault_point(f"hf_export:before_publish:{out.name}")
         publish_dir(tmp, out)
     barrier(group)
     return out

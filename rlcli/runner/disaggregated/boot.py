@@ -9,9 +9,8 @@ from pathlib import Path
 from rlcli.config import Recipe, check_launch, resolve_placement
 from rlcli.dist import barrier, init_distributed
 from rlcli.models import resolve_device
-from rlcli.runner.setup import (
-    Environment, default_work_dir, prepare_work_dir, seed_everything, setup_logging, write_resolved,
-)
+from rlcli.runner.setup import Environment, default_work_dir, seed_everything, setup_logging, write_resolved
+from rlcli.runner.workdir import prepare_work_dir
 from rlcli.runner.transport import Channels, Placement
 
 

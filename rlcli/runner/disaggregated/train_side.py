@@ -30,6 +30,7 @@ from rlcli.runner.records import (
 from rlcli.runner.schedule import Schedule, total_train_steps
 from rlcli.runner.sequences import sequences_from_groups
 from rlcli.runner.transport import WeightSender, broadcast
+from rlcli.runner.workdir import export_missing, mark_finished
 from rlcli.types import Group
 
 log = logging.getLogger("rlcli")
@@ -117,6 +118,8 @@ class TrainSide:
         sched, ro, total = self.schedule, self.rollout, self.schedule.total_steps
         with self.timer("sync"):  # the replicas serve exactly the trainer's weights (a resume: the saved ones)
             self._push_weights(self.step)
+        if export_missing(self.work_dir, self.step, sched):  # killed while writing it: resumed, redo it
+            self._export_hf(self.step)
         last: dict[str, float] = {}
         if sched.initial_eval_due(self.step):
             last = self._log(0, self._evaluate(0))
@@ -157,9 +160,8 @@ class TrainSide:
         bar.close()
         if not stopped:  # resumed from the last step's checkpoint: nothing left to train
             ro.stop()
-            if not (self.work_dir / "hf" / f"step-{total}").exists():  # killed between checkpoint and export
-                self._export_hf(total)
         self._op(Stop())
+        mark_finished(self.work_dir, self.step, self.recipe)
         return last
 
     def _collect(self, step: int) -> _Batch:
