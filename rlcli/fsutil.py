@@ -13,7 +13,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 _HINTS = {
@@ -37,6 +37,28 @@ class WriteError(OSError):
 
     def __str__(self) -> str:
         return self.strerror
+
+
+FULL_DISK_BYTES = 1 << 20
+
+
+def write_failure(path: str | Path, exc: BaseException, causes: Iterable[BaseException] = ()) -> WriteError | None:
+    """``exc``, raised while writing ``path``, as a :class:`WriteError` naming ``path``, or None when
+    it is not a failed write. The cause is the first OSError among ``exc`` and ``causes``; libraries
+    that lose it (torch's zip writer reports ``unexpected pos``, safetensors its own error) leave
+    none, and then a device with less than :data:`FULL_DISK_BYTES` free is taken as full."""
+    cause = next((e for e in (exc, *causes) if isinstance(e, OSError)), None)
+    if isinstance(cause, WriteError):
+        return cause
+    if cause is None:
+        try:
+            full = shutil.disk_usage(Path(path).parent).free < FULL_DISK_BYTES
+        except OSError:
+            full = False
+        if not full:
+            return None
+        cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return WriteError(path, cause)
 
 
 def write_text(path: str | Path, text: str) -> Path:

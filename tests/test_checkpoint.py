@@ -290,7 +290,7 @@ def test_a_swallowed_write_error_on_a_full_disk_is_reported_as_one(model_dir, tm
     monkeypatch.setattr(checkpoint_files.dcp, "save", lost)
     with pytest.raises(RuntimeError, match="unexpected pos"):  # room on the disk: not a full disk
         w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
-    monkeypatch.setattr(checkpoint_files.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 4096))
     with pytest.raises(WriteError, match=r"cannot write .*step-1.tmp/weights: No space left on device"):
         w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
 
@@ -376,3 +376,25 @@ def test_a_launched_run_reports_a_ranks_path_error_with_exit_2(tmp_path, monkeyp
     r = CliRunner().invoke(cli, ["train", str(tmp_path / "recipe.yaml"), "--nproc-per-node", "2"])
     assert r.exit_code == 2 and "cannot write /w/checkpoints/step-8.tmp/rank-1.pt: No space left" in r.output
     assert "traceback" not in r.output
+
+
+def test_full_disk_during_the_hf_export(model_dir, tmp_path, monkeypatch):
+    """safetensors reports a full disk in its own error: the export names the path, leaves no
+    ``.tmp`` behind and the previous export intact."""
+    from transformers import PreTrainedModel
+
+    w = make_worker(model_dir)
+    out = w.save_hf(tmp_path / "hf")
+    before = sorted(p.name for p in out.iterdir())
+
+    def full(self, *args, **kwargs):
+        raise RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    with pytest.raises(RuntimeError, match="IoError"):  # room on the disk: not taken as a full disk
+        w.save_hf(tmp_path / "hf")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    with pytest.raises(WriteError, match=r"cannot write .*hf.tmp: No space left on device"):
+        w.save_hf(tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert sorted(p.name for p in out.iterdir()) == before

@@ -22,11 +22,9 @@ fsync), so a full disk is reported as ``No space left on device`` with the file'
 
 from __future__ import annotations
 
-import errno
 import io
 import os
 import pickle
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,10 +38,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from rlcli.fsutil import WriteError
+from rlcli.fsutil import WriteError, write_failure
 
 # Below this much free space, a failed write whose error torch swallowed is reported as a full disk.
-FULL_DISK_BYTES = 1 << 20
 
 _reconstruct = (np._core if hasattr(np, "_core") else np.core).multiarray._reconstruct
 _LEGACY_RNG_GLOBALS = [
@@ -242,20 +239,13 @@ def save_pt(path: Path, obj: Any) -> None:
 def save_weights(state: dict[str, Any], path: Path) -> None:
     """``dcp.save``; a failed write becomes a :class:`WriteError` naming ``path``.
 
-    torch's zip writer swallows the OSError of a full disk (it reports ``unexpected pos``), so
-    when no OSError is found a full device (less than :data:`FULL_DISK_BYTES` free) is taken as
-    the cause.
+    torch's zip writer swallows the OSError of a full disk (it reports ``unexpected pos``);
+    :func:`rlcli.fsutil.write_failure` then takes a full device as the cause.
     """
     try:
         dcp.save(state, checkpoint_id=str(path))
     except (CheckpointException, RuntimeError, OSError) as exc:
-        cause = next((e for e in _failures(exc) if isinstance(e, OSError)), None)
-        if cause is None:
-            try:
-                full = shutil.disk_usage(path.parent).free < FULL_DISK_BYTES
-            except OSError:
-                full = False
-            if not full:
-                raise
-            cause = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        raise WriteError(path, cause) from None
+        failure = write_failure(path, exc, _failures(exc))
+        if failure is None:
+            raise
+        raise failure from None

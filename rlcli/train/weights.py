@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from rlcli.dist import barrier
 from rlcli.faults import fault_point
-from rlcli.fsutil import publish_dir
+from rlcli.fsutil import publish_dir, write_failure
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
@@ -136,9 +136,16 @@ def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtyp
         # Recent transformers write only on global rank 0 of the job; the writer is rank 0 of this
         # worker's group (not global rank 0 when other ranks do rollout), and it holds the full state.
         plain.should_save_on_this_rank = lambda is_main_process=True: bool(is_main_process)
-        plain.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
+        try:
+            plain.save_pretrained(str(tmp))
+            if tokenizer is not None:
+                save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error on a full disk
+            failure = write_failure(tmp, exc)
+            if failure is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise failure from None
         fault_point(f"hf_export:before_publish:{out.name}")
         publish_dir(tmp, out)
     barrier(group)
