@@ -150,7 +150,8 @@ def _path_checks(root, read_roots, os):
     _getcwd, _write, _encode, _repr, _PermissionError = os.getcwd, os.write, str.encode, repr, PermissionError
     _type, _str, _bytes, _int, _bool, _issubclass = type, str, bytes, int, bool, issubclass
     _startswith, _split, _join = str.startswith, str.split, str.join
-    _decode, _as_str, _as_bytes = bytes.decode, str.__str__, bytes.__bytes__
+    # a plain copy of a str / bytes (subclass): str.__str__, and a whole slice (bytes.__bytes__ is 3.11+)
+    _decode, _as_str, _slice_bytes, _whole = bytes.decode, str.__str__, bytes.__getitem__, slice(None)
 
     def deny(what):
         _write(2, _encode("[sandbox] denied " + what + "\n", "utf-8", "replace"))
@@ -161,7 +162,7 @@ def _path_checks(root, read_roots, os):
         if _issubclass(t, _str):
             return _as_str(p)
         if _issubclass(t, _bytes):
-            return _decode(_as_bytes(p), "utf-8", "surrogateescape")
+            return _decode(_slice_bytes(p, _whole), "utf-8", "surrogateescape")
         return None
 
     def is_fd(p):

@@ -7,7 +7,10 @@ import importlib.metadata as md
 import logging
 import os
 import re
+import shutil
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -162,6 +165,38 @@ print(open(Sneaky({path!r})).read())
 """
     r = run(code)
     assert r.status == "denied" and "the sandbox must not read this" not in r.stdout
+
+
+def test_a_path_of_a_str_or_bytes_subclass_is_read_for_what_it_holds():
+    code = ("class B(bytes):\n    def __bytes__(self):\n        return b'main.py'\n"
+            "    def decode(self, *a):\n        return 'main.py'\n"
+            "print(open(B(b'/etc/passwd')).read())\n")
+    r = run(code)
+    assert r.status == "denied" and r.denied == ["opening '/etc/passwd'"] and "root:" not in r.stdout
+
+
+def _other_pythons() -> list[str]:
+    """The CPython 3.10+ interpreters on PATH (each once, shims resolved), other than this one."""
+    found = set()
+    for m in range(10, 15):
+        path = shutil.which(f"python3.{m}")
+        if path:
+            r = subprocess.run([path, "-I", "-S", "-c", "import sys; print(sys.executable)"], capture_output=True,
+                               text=True, timeout=30)
+            if r.returncode == 0 and r.stdout.strip():
+                found.add(os.path.realpath(r.stdout.strip()))
+    return sorted(found - {os.path.realpath(sys.executable)})
+
+
+def test_the_sandbox_runs_under_other_interpreters():
+    """The ``python`` option: the bootstrap, the kernel layers and the hook on each CPython 3.10+ found."""
+    pythons = _other_pythons()
+    if not pythons:
+        pytest.skip("no other python3.10 ... python3.14 on PATH")
+    for python in pythons:
+        r = run("import sys, sqlite3\nprint(sys.version_info >= (3, 10))\nopen('/etc/passwd')", python=python)
+        assert r.status == "denied" and r.stdout == "True\n" and r.denied == ["opening '/etc/passwd'"], (python, r.stderr)
+        assert r.layers["capabilities"] is True
 
 
 def test_reaching_the_hook_through_the_interpreter_is_denied():
