@@ -67,19 +67,25 @@ def _setup():
             f.write(source)
     os.write(2, f"[sandbox] layers {json.dumps(dict(layers, problems=problems))}\n".encode())
 
-    # calls with no audit event: special files (device nodes, FIFOs) always, and - without the
-    # seccomp filter - the priority, scheduling and pidfd signals that could reach other processes
-    gone = ("mknod", "mkfifo") + (() if layers["seccomp"] else (
-        "setpriority", "sched_setscheduler", "sched_setparam", "sched_setaffinity", "pidfd_open", "pidfd_send_signal"))
+    if opts["audit_hook"]:
+        _take_away(os, layers["seccomp"])
+        sys.addaudithook(_make_hook(os.path.realpath(root), tuple(read_roots), os, layers["landlock"] > 0))
+    return compile(source, "main.py", "exec")
+
+
+def _take_away(os, seccomp):
+    """Calls that raise no audit event, part of the Python-level policy: special files (device
+    nodes, FIFOs) always, and - without the seccomp filter - priority, scheduling and pidfd
+    signals, which could reach other processes."""
     import _signal
     import signal
+
+    gone = ("mknod", "mkfifo") + (() if seccomp else (
+        "setpriority", "sched_setscheduler", "sched_setparam", "sched_setaffinity", "pidfd_open", "pidfd_send_signal"))
     for mod in (os, sys.modules.get("posix"), signal, _signal):
         for fn in gone:
             if mod is not None and hasattr(mod, fn):
                 delattr(mod, fn)
-    if opts["audit_hook"]:
-        sys.addaudithook(_make_hook(os.path.realpath(root), tuple(read_roots), os, layers["landlock"] > 0))
-    return compile(source, "main.py", "exec")
 
 
 def _loader_paths():
@@ -292,6 +298,6 @@ def _make_hook(root, read_roots, os, kernel_files):
 
 if __name__ == "__main__":  # run by `python -c`; importing this module does nothing
     _code = _setup()
-    del _setup, _make_hook, _path_checks, _open_check, _sqlite_check, _loader_paths, _kernel_layers, _landlock
+    del _setup, _make_hook, _path_checks, _open_check, _sqlite_check, _loader_paths, _take_away, _kernel_layers, _landlock
     del _seccomp, _readonly_mounts, _sc_program, _missing_layers
     exec(_code, {"__name__": "__main__", "__builtins__": __builtins__, "__file__": "main.py"})

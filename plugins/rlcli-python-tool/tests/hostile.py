@@ -5,7 +5,7 @@ tried went through. After each run the :class:`Harness` checks, from the trainer
 nothing happened: the files of an outside directory (names, contents, modes, times, extended
 attributes), no file named with the run's token in ``/tmp``, ``/dev/shm`` or the sandbox's parent
 directory, the trainer's priority, scheduling, CPU affinity, limits, OOM score and received
-signals, a same-user victim process still alive and untouched, nothing arriving on TCP, UDP,
+signals (SIGUSR1 and SIGURG), a same-user victim process still alive and untouched, nothing arriving on TCP, UDP,
 unix or abstract sockets, no secret in the output. Each attempt's verdict is its own list of
 problems. The attempts themselves are in ``hostile_attempts.yaml``. Used by ``test_hostile_code.py``;
 kept apart so that the same attempts can be run against another version of the sandbox.
@@ -141,7 +141,8 @@ class Harness:
         for s in (self.tcp, self.udp, self.unix, self.abstract):
             s.setblocking(False)
         self.victim = self._start_victim()
-        self._old_handler = signal.signal(signal.SIGUSR1, lambda *_: self.signals.append(signal.SIGUSR1))
+        self._old_handlers = {sig: signal.signal(sig, lambda n, _: self.signals.append(n))
+                              for sig in (signal.SIGUSR1, signal.SIGURG)}
         self.trainer_before = self._trainer()
 
     def _populate(self) -> None:
@@ -163,7 +164,8 @@ class Harness:
         return subprocess.Popen(["sleep", "600"], start_new_session=True)
 
     def close(self) -> None:
-        signal.signal(signal.SIGUSR1, self._old_handler)
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
         self.victim.kill()
         self.victim.wait()
         for s in (self.tcp, self.udp, self.unix, self.abstract):
