@@ -70,7 +70,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from rlcli.agent_loops import AgentLoop, AgentLoopConfig
 from rlcli.backends.base import GenerateRequest, InferenceBackend
-from rlcli.component import ComponentConfig
+from rlcli.component import ChecksConfig, ComponentConfig
 from rlcli.hookspecs import Kind
 from rlcli.tokenizer import decode_tokens
 from rlcli.tools.base import Tool, ToolResult, error_text
@@ -307,12 +307,16 @@ class MultiTurnAgentLoop(AgentLoop):
                 issues.append((f"tools.{i}.name", str(exc)))
                 continue
             try:
-                resolved.append((tcls, tcls.Config.model_validate(spec.options())))
+                tcfg = tcls.Config.model_validate(spec.options())
             except ValidationError as exc:
                 for err in exc.errors():
                     loc = ".".join(str(p) for p in err["loc"])
                     where = f"tools.{i}.{loc}" if loc else f"tools.{i}"
                     issues.append((where, f"{err['msg']} (options of tool {spec.name!r})"))
+                continue
+            checks = tcls.check_config(tcfg) if isinstance(tcls, ChecksConfig) else []  # e.g. python's strict
+            issues += [(f"tools.{i}.{f}", f"{msg} (options of tool {spec.name!r})") for f, msg in checks or []]
+            resolved.append((tcls, tcfg))
         fmt = cfg.tool_format
         if isinstance(fmt, LineFormatConfig) and fmt.tool not in seen:
             issues.append(("tool_format.tool", f"the line format calls tool {fmt.tool!r}, which is not in tools "

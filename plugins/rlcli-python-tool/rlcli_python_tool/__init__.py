@@ -2,8 +2,9 @@
 
 The model sends ``{"code": "..."}``; the code runs in a separate ``python -I -S`` process in a
 fresh temporary directory with CPU, memory, file-size, open-file and process limits, a
-wall-clock timeout that kills its whole process group, no network and an audit-hook policy on
-files and processes (what is and is not guaranteed: :mod:`rlcli_python_tool.sandbox`). The
+wall-clock timeout that kills its whole process group, and kernel layers (namespaces with
+read-only mounts, Landlock, seccomp) under an audit-hook policy on files and processes (what is
+guaranteed on which kernel: the plugin's README and :mod:`rlcli_python_tool.sandbox`). The
 tool's output is what the code printed; a failure adds its status and stderr::
 
     [status: error, exit code 1]
@@ -21,10 +22,10 @@ from pydantic import Field
 
 from rlcli import hookimpl
 from rlcli.tools import Tool, ToolConfig, ToolOutput
-from rlcli_python_tool.sandbox import Limits, SandboxResult, namespaces_available, run_python
+from rlcli_python_tool.sandbox import Limits, SandboxResult, kernel_layers, namespaces_available, run_python
 
 __all__ = ["PythonTool", "PythonToolConfig", "Limits", "SandboxResult", "run_python", "namespaces_available",
-           "format_result"]
+           "kernel_layers", "format_result"]
 __version__ = "0.1.0"
 
 
@@ -39,10 +40,17 @@ class PythonToolConfig(ToolConfig):
     file_size_mb: int = Field(16, ge=0, description="Largest file the code may write, in MiB (RLIMIT_FSIZE).")
     open_files: int = Field(64, gt=3, description="Open file descriptors (RLIMIT_NOFILE).")
     processes: int = Field(
-        0, ge=0, description="RLIMIT_NPROC: processes and threads the user may have (0: none new; not enforced for root).")
+        0, ge=0, description="RLIMIT_NPROC: processes and threads the user may have (0: none new; not enforced for "
+        "root). New processes are refused anyway (seccomp, audit hook): this bounds threads.")
     network: Literal["auto", "namespace", "audit"] = Field(
-        "auto", description="auto: a network namespace when `unshare` works here, else the audit hook alone; "
-        "namespace: require it; audit: never use namespaces.")
+        "auto", description="auto: user, mount, network and IPC namespaces (no network, read-only filesystem, a "
+        "private folder) when `unshare` works here; namespace: require them; audit: never use them.")
+    disk_mb: int = Field(
+        64, gt=0, description="Size of the code's folder in MiB (a private tmpfs where namespaces work).")
+    strict: bool = Field(
+        False, description="Refuse to run unless every kernel layer of the sandbox holds here (namespaces, "
+        "Landlock ABI 6 - Linux 6.12+ - and seccomp); false: run with the layers there are and log once what is "
+        "missing.")
     python: str | None = Field(None, description="Interpreter to run the code with (default: the one running rlcli).")
 
 
@@ -75,17 +83,36 @@ class PythonTool(Tool):
         "required": ["code"],
     }
 
+    @classmethod
+    def check_config(cls, cfg: PythonToolConfig) -> list[tuple[str, str]]:
+        """With ``strict``, every kernel layer must hold on this machine (probed once)."""
+        if not cfg.strict:
+            return []
+        if cfg.network == "audit":
+            return [("network", "strict: true needs the namespaces, which network: audit turns off; "
+                                "use network: auto or namespace")]
+        probe = kernel_layers(cfg.python, cfg.network)
+        if probe.status != "ok":
+            return [("strict", f"the sandbox could not run here: {probe.stderr.strip()[-500:]}")]
+        if probe.missing:
+            return [("strict", "this machine lacks kernel layers of the sandbox: " + "; ".join(probe.missing)
+                     + ". Run on Linux 6.12+ with unprivileged user namespaces, or set strict: false to run "
+                     "without them (a warning is logged)")]
+        return []
+
     def limits(self) -> Limits:
         c = self.config
         return Limits(cpu_s=c.cpu_time_s, wall_s=c.timeout_s, memory_mb=c.memory_mb, file_mb=c.file_size_mb,
-                      open_files=c.open_files, processes=c.processes, output_bytes=max(4096, 4 * c.max_output_chars))
+                      open_files=c.open_files, processes=c.processes, output_bytes=max(4096, 4 * c.max_output_chars),
+                      disk_mb=c.disk_mb)
 
     def run_timeout_s(self) -> float:
         return self.config.timeout_s + 5.0  # the sandbox kills at timeout_s and reports what it has
 
     async def execute(self, code: str) -> SandboxResult:
         """Run ``code`` in the sandbox and return the full result (for callers other than agent loops)."""
-        return await run_python(code, self.limits(), python=self.config.python, network=self.config.network)
+        c = self.config
+        return await run_python(code, self.limits(), python=c.python, network=c.network, strict=c.strict)
 
     async def call(self, arguments: dict[str, Any]) -> ToolOutput:
         code = arguments.get("code")

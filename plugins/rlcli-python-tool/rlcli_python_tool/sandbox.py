@@ -1,44 +1,30 @@
 """Run untrusted Python code in a child interpreter with limits, and report what happened.
 
-:func:`run_python` writes the code to ``main.py`` in a fresh temporary directory and runs
-``python -I -S`` (isolated mode: no ``PYTHON*`` variables, no user or site packages - the
-standard library only) with that directory as its working directory and a scrubbed environment
-(``PATH``, ``HOME``/``TMPDIR`` = the directory, ``LANG``). The directory is deleted afterwards.
+:func:`run_python` writes the code to ``main.py`` in a fresh temporary directory (the folder) and
+runs ``python -I -S`` (isolated mode: no ``PYTHON*`` variables, no user or site packages - the
+standard library only) there with a scrubbed environment (``PATH``, ``HOME``/``TMPDIR`` = the
+folder, ``LANG``). The directory is deleted afterwards.
 
-**What is enforced, and by what.**
+**What is enforced, and by what** (the plugin's README has the full table, per kernel):
 
-* *Kernel limits* (``setrlimit`` in the child, soft = hard, so they cannot be raised again):
-  CPU seconds (``SIGXCPU``, then ``SIGKILL``), address space (a huge allocation raises
-  ``MemoryError``), file size (writing past it fails with ``EFBIG``), open files, core dumps
-  (none), and ``RLIMIT_NPROC`` (new processes/threads; note that Linux does not apply it to
-  root).
-* *Wall clock*: the child runs in its own session; when the timeout expires the whole process
-  group is killed (``SIGKILL``), so nothing it started survives.
-* *Namespaces* (``network: auto`` uses them when ``unshare --user --map-root-user --net`` works
-  on the machine, ``namespace`` requires them): a network namespace with no usable interface -
-  no network at all, whatever the code does. In the user namespace device nodes cannot be
-  created either.
-* *An audit hook* (``sys.addaudithook``, installed before the code runs and impossible to
-  remove from Python) that denies, with ``PermissionError`` and a ``[sandbox] denied ...`` line
-  on stderr: opening files outside the sandbox directory, except *reading* regular files of the
-  standard library (imports, tracebacks); listing or changing anything outside it; links;
-  ``os.system``, ``exec*``, ``fork``, ``posix_spawn``, ``subprocess`` and signals to other
-  processes; sockets, and importing ``socket``, ``ssl``, ``subprocess``, ``multiprocessing``,
-  ``ctypes`` and a few other modules that reach around the policy; raising limits; building
-  code objects by hand; and the introspection that could reach the hook itself (``gc``
-  referrers, tracing). Paths must be ``str``/``bytes`` (a ``pathlib.Path`` is refused: its
-  ``__fspath__`` could answer differently to the check and to the open).
-
-**What is not guaranteed.** The audit hook runs inside the sandboxed interpreter: code that
-corrupts the interpreter (for instance crafted bytecode fed through ``marshal``) could get past
-it, and then only the kernel limits, the process-group kill and - where available - the
-namespaces remain; files readable and writable by the user running rlcli would then be exposed.
-``os.stat``/``os.path.exists`` outside the sandbox are not audited (existence can be probed,
-contents cannot be read). Without namespaces, "no network" rests on the audit hook alone, and
-when rlcli runs as root ``RLIMIT_NPROC`` is not enforced, so a fork bomb is stopped by the hook
-(fork is denied) and, failing that, by the process-group kill at the timeout. Treat this as a
-guard against accidents and careless model-written code in RL rollouts, not as a boundary
-against a determined attacker: for that, run rollouts in a container or VM.
+* *Resource limits* (``setrlimit`` in the child, soft = hard): CPU seconds, address space,
+  file size, open files, no core dumps, ``RLIMIT_NPROC``; and the wall clock: the child runs in
+  its own session and its whole process group is killed when the timeout expires.
+* *Kernel layers*, applied by the child before the code runs (``_kernel.py``), each where the
+  kernel offers it: user, mount, network and IPC namespaces (``unshare``) in which every mount is
+  read-only and the folder is a private tmpfs of ``disk_mb``; no capabilities; Landlock (reads
+  only of the folder and the interpreter's and C libraries' files, writes only in the folder, no
+  TCP, and - ABI 6 - signals and abstract unix sockets only within the sandbox); a seccomp filter
+  (no new processes, programs or sockets; signals, priority, scheduling and limits only of the
+  sandbox itself; no tracing, no io_uring, no mounts). Which layers held is in
+  :attr:`SandboxResult.layers`; a missing one is logged once (``strict`` refuses to run instead).
+* *An audit hook* (``sys.addaudithook``, installed last and impossible to remove from Python)
+  that denies, with ``PermissionError`` and a ``[sandbox] denied ...`` line on stderr, what the
+  policy forbids before the kernel has to: files outside the folder (reading regular files of
+  the standard library is allowed), links, ``chdir`` out, processes, signals, sockets, ``ctypes``
+  and other modules that reach around the policy, raising limits, hand-made code objects and the
+  introspection that could reach the hook itself. It runs inside the sandboxed interpreter, so it
+  is a first line and a source of clear messages; the kernel layers are the boundary.
 """
 
 from __future__ import annotations
@@ -46,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -57,13 +44,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-BOOTSTRAP = (Path(__file__).with_name("_bootstrap.py")).read_text(encoding="utf-8")
-"""The child's first code: limits, audit hook, then ``exec`` of main.py (see ``_bootstrap.py``)."""
+from rlcli_python_tool._kernel import _missing_layers
+
+_HERE = Path(__file__).parent
+BOOTSTRAP = (_HERE / "_kernel.py").read_text(encoding="utf-8") + "\n" + (_HERE / "_bootstrap.py").read_text(encoding="utf-8")
+"""The child's first code: limits, kernel layers, audit hook, then ``exec`` of main.py."""
 
 Status = Literal["ok", "error", "denied", "timeout", "cpu_limit", "memory_limit", "killed", "sandbox_error"]
 NetworkMode = Literal["auto", "namespace", "audit"]
 
-_UNSHARE_ARGS = ["--user", "--map-root-user", "--net"]  # unshare then execs python: same pid, true exit status
+log = logging.getLogger("rlcli.python_tool")
+
+# unshare then execs python: same pid (the session leader), true exit status
+_UNSHARE_ARGS = ["--user", "--map-root-user", "--net", "--mount", "--ipc"]
+_LAYERS_LINE = "[sandbox] layers "
 
 
 @dataclass
@@ -75,10 +69,12 @@ class Limits:
     open_files: int = 64
     processes: int = 0
     output_bytes: int = 65536  # per stream; the rest is read and dropped
+    disk_mb: int = 64  # the folder's size, where it is a private tmpfs (namespaces)
 
     def for_child(self) -> dict:
         return {"cpu_s": self.cpu_s, "memory_bytes": self.memory_mb << 20, "file_bytes": self.file_mb << 20,
-                "open_files": self.open_files, "processes": self.processes}
+                "open_files": self.open_files, "processes": self.processes, "disk_bytes": self.disk_mb << 20,
+                "inodes": 1024 + 256 * self.disk_mb}
 
 
 @dataclass
@@ -91,18 +87,24 @@ class SandboxResult:
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     denied: list[str] = field(default_factory=list)  # "[sandbox] denied ..." lines
-    namespaces: bool = False  # ran in user + network namespaces
+    namespaces: bool = False  # ran in user, mount, network and IPC namespaces
+    layers: dict = field(default_factory=dict)  # the kernel layers in force (see _kernel.py); {} if it never ran
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def missing(self) -> list[str]:
+        """What does not hold for want of a kernel layer, one line each."""
+        return _missing_layers(self.layers) if self.layers else []
 
 
 _NAMESPACES_OK: dict[str, bool] = {}
 
 
 def namespaces_available(unshare: str | None = None) -> bool:
-    """Whether ``unshare`` can make user and network namespaces here (probed once per binary)."""
+    """Whether ``unshare`` can make user, mount, network and IPC namespaces here (probed once per binary)."""
     unshare = unshare or shutil.which("unshare")
     if not unshare or not sys.platform.startswith("linux"):
         return False
@@ -114,6 +116,63 @@ def namespaces_available(unshare: str | None = None) -> bool:
         except (OSError, subprocess.SubprocessError):
             _NAMESPACES_OK[unshare] = False
     return _NAMESPACES_OK[unshare]
+
+
+def _command(root: str, limits: Limits, python: str, use_ns: bool, strict: bool, audit_hook: bool,
+             without: tuple[str, ...] = ()):
+    """The child's command line and environment."""
+    opts = dict(limits.for_child(), namespaces=use_ns, strict=strict, audit_hook=audit_hook, without=list(without))
+    cmd = [python, "-I", "-S", "-c", BOOTSTRAP, root, json.dumps(opts)]
+    if use_ns:
+        cmd = [shutil.which("unshare") or "unshare", *_UNSHARE_ARGS, "--", *cmd]
+    env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+    return cmd, env
+
+
+def _split_layers(stderr: str) -> tuple[dict, str]:
+    """The bootstrap's report (its first stderr line, written before the code ran) and the rest."""
+    if not stderr.startswith(_LAYERS_LINE):
+        return {}, stderr
+    line, _, rest = stderr.partition("\n")
+    try:
+        return json.loads(line[len(_LAYERS_LINE):]), rest
+    except ValueError:
+        return {}, stderr
+
+
+_PROBED: dict[tuple[str, bool], SandboxResult] = {}
+
+
+def kernel_layers(python: str | None = None, network: NetworkMode = "auto") -> SandboxResult:
+    """Run ``pass`` in the sandbox once (per interpreter and namespace use) and return the result:
+    its ``layers`` and ``missing`` say what this machine enforces. Synchronous, for recipe checks."""
+    python = python or sys.executable
+    use_ns = network == "namespace" or (network == "auto" and namespaces_available())
+    key = (python, use_ns)
+    if key not in _PROBED:
+        with tempfile.TemporaryDirectory(prefix="rlcli-py-") as root:
+            Path(root, "main.py").write_text("pass", encoding="utf-8")
+            cmd, env = _command(root, Limits(), python, use_ns, False, True)
+            try:
+                r = subprocess.run(cmd, cwd=root, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                                   timeout=60, start_new_session=True)
+                layers, stderr = _split_layers(r.stderr.decode("utf-8", "replace"))
+                _PROBED[key] = SandboxResult(_status(r.returncode, False, stderr, bool(layers)), r.returncode, "",
+                                             stderr, 0.0, namespaces=use_ns, layers=layers)
+            except (OSError, subprocess.SubprocessError) as exc:
+                return SandboxResult("sandbox_error", None, "", f"could not start the sandbox: {exc}", 0.0)
+    return _PROBED[key]
+
+
+_WARNED: set[tuple[str, ...]] = set()
+
+
+def _warn_missing(result: SandboxResult) -> None:
+    missing = tuple(result.missing)
+    if missing and missing not in _WARNED:
+        _WARNED.add(missing)
+        log.warning("python tool: the sandbox runs without some kernel layers on this machine (set strict: true "
+                    "to refuse instead): %s", "; ".join(missing))
 
 
 class _Capture:
@@ -144,23 +203,27 @@ def _kill_group(pid: int) -> None:
 
 
 async def run_python(code: str, limits: Limits | None = None, *, python: str | None = None,
-                     network: NetworkMode = "auto") -> SandboxResult:
-    """Run ``code`` under the sandbox described in the module docstring; never raises for bad code."""
+                     network: NetworkMode = "auto", strict: bool = False, audit_hook: bool = True,
+                     without: tuple[str, ...] = ()) -> SandboxResult:
+    """Run ``code`` under the sandbox described in the module docstring; never raises for bad code.
+
+    ``strict``: refuse (status ``sandbox_error``) unless every kernel layer holds; otherwise a
+    missing layer is logged once. For tests of what each part holds alone, never for rollouts:
+    ``audit_hook=False`` leaves the audit hook out, ``without`` the named kernel layers
+    ("mounts", "landlock", "seccomp").
+    """
     limits = limits or Limits()
     python = python or sys.executable
     use_ns = network == "namespace" or (network == "auto" and namespaces_available())
     if network == "namespace" and not namespaces_available():
-        return SandboxResult("sandbox_error", None, "", "network: namespace was requested but `unshare --user "
-                             "--map-root-user --net` does not work on this machine", 0.0)
+        return SandboxResult("sandbox_error", None, "", "network: namespace was requested but `unshare "
+                             f"{' '.join(_UNSHARE_ARGS)}` does not work on this machine", 0.0)
     root = tempfile.mkdtemp(prefix="rlcli-py-")
     t0 = time.perf_counter()
     proc = readers = None
     try:
         Path(root, "main.py").write_text(code, encoding="utf-8")
-        cmd = [python, "-I", "-S", "-c", BOOTSTRAP, root, json.dumps(limits.for_child())]
-        if use_ns:
-            cmd = [shutil.which("unshare") or "unshare", *_UNSHARE_ARGS, "--", *cmd]
-        env = {"PATH": "/usr/bin:/bin", "HOME": root, "TMPDIR": root, "LANG": "C.UTF-8", "PYTHONIOENCODING": "utf-8"}
+        cmd, env = _command(root, limits, python, use_ns, strict, audit_hook, without)
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             cwd=root, env=env, start_new_session=True, close_fds=True)
@@ -179,13 +242,10 @@ async def run_python(code: str, limits: Limits | None = None, *, python: str | N
             await asyncio.wait_for(asyncio.shield(readers), 2.0)
         except asyncio.TimeoutError:
             readers.cancel()
-        elapsed = time.perf_counter() - t0
-        stderr = err.text()
-        denied = [line[len("[sandbox] denied "):] for line in stderr.splitlines() if line.startswith("[sandbox] denied ")]
-        status = _status(rc, timed_out, stderr)
-        if status == "error" and denied:
-            status = "denied"  # it failed on something the sandbox refused
-        return SandboxResult(status, rc, out.text(), stderr, elapsed, out.truncated, err.truncated, denied, use_ns)
+        result = _result(rc, timed_out, out, err, time.perf_counter() - t0, use_ns)
+        if not strict and not without:
+            _warn_missing(result)
+        return result
     except asyncio.CancelledError:
         if proc is not None and proc.returncode is None:
             _kill_group(proc.pid)
@@ -201,7 +261,17 @@ async def run_python(code: str, limits: Limits | None = None, *, python: str | N
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _status(rc: int | None, timed_out: bool, stderr: str) -> Status:
+def _result(rc: int | None, timed_out: bool, out: _Capture, err: _Capture, elapsed: float, use_ns: bool) -> SandboxResult:
+    layers, stderr = _split_layers(err.text())
+    denied = [line[len("[sandbox] denied "):] for line in stderr.splitlines() if line.startswith("[sandbox] denied ")]
+    status = _status(rc, timed_out, stderr, bool(layers))
+    if status == "error" and denied:
+        status = "denied"  # it failed on something the sandbox refused
+    return SandboxResult(status, rc, out.text(), stderr, elapsed, out.truncated, err.truncated, denied, use_ns, layers)
+
+
+def _status(rc: int | None, timed_out: bool, stderr: str, ran: bool) -> Status:
+    """``ran``: the bootstrap reported its layers, so the code itself ran (and any exit is its own)."""
     if timed_out:
         return "timeout"
     if rc == 0:
@@ -211,7 +281,7 @@ def _status(rc: int | None, timed_out: bool, stderr: str) -> Status:
         if sig == signal.SIGXCPU:
             return "cpu_limit"
         return "killed"
-    if rc == 70 and "[sandbox] cannot set" in stderr:
+    if rc == 70 and not ran and "[sandbox] cannot " in stderr:
         return "sandbox_error"
     last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
     if last.startswith("MemoryError"):

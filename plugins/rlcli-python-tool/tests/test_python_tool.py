@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata as md
+import logging
 import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from rlcli_python_tool import Limits, PythonTool, PythonToolConfig, format_result, namespaces_available, run_python
+import rlcli_python_tool
+from rlcli_python_tool import (Limits, PythonTool, PythonToolConfig, SandboxResult, format_result, kernel_layers,
+                               namespaces_available, run_python, sandbox)
+from rlcli_python_tool._kernel import _SC_DENY, _SC_METADATA, _SC_SELF, _sc_program
 
 FAST = Limits(cpu_s=2, wall_s=5.0, memory_mb=256, file_mb=4, open_files=32)
 
@@ -157,6 +167,38 @@ print(open(Sneaky({path!r})).read())
     assert r.status == "denied" and "the sandbox must not read this" not in r.stdout
 
 
+def test_a_path_of_a_str_or_bytes_subclass_is_read_for_what_it_holds():
+    code = ("class B(bytes):\n    def __bytes__(self):\n        return b'main.py'\n"
+            "    def decode(self, *a):\n        return 'main.py'\n"
+            "print(open(B(b'/etc/passwd')).read())\n")
+    r = run(code)
+    assert r.status == "denied" and r.denied == ["opening '/etc/passwd'"] and "root:" not in r.stdout
+
+
+def _other_pythons() -> list[str]:
+    """The CPython 3.10+ interpreters on PATH (each once, shims resolved), other than this one."""
+    found = set()
+    for m in range(10, 15):
+        path = shutil.which(f"python3.{m}")
+        if path:
+            r = subprocess.run([path, "-I", "-S", "-c", "import sys; print(sys.executable)"], capture_output=True,
+                               text=True, timeout=30)
+            if r.returncode == 0 and r.stdout.strip():
+                found.add(os.path.realpath(r.stdout.strip()))
+    return sorted(found - {os.path.realpath(sys.executable)})
+
+
+def test_the_sandbox_runs_under_other_interpreters():
+    """The ``python`` option: the bootstrap, the kernel layers and the hook on each CPython 3.10+ found."""
+    pythons = _other_pythons()
+    if not pythons:
+        pytest.skip("no other python3.10 ... python3.14 on PATH")
+    for python in pythons:
+        r = run("import sys, sqlite3\nprint(sys.version_info >= (3, 10))\nopen('/etc/passwd')", python=python)
+        assert r.status == "denied" and r.stdout == "True\n" and r.denied == ["opening '/etc/passwd'"], (python, r.stderr)
+        assert r.layers["capabilities"] is True
+
+
 def test_reaching_the_hook_through_the_interpreter_is_denied():
     for code, denied in (("import gc\ngc.get_objects()", "gc.get_objects"),
                          ("import gc\ngc.get_referrers(open)", "gc.get_referrers"),
@@ -213,7 +255,7 @@ def test_concurrent_calls_are_isolated():
         return await asyncio.gather(*(tool.run({"code": c}) for c in codes))
 
     for i, r in enumerate(asyncio.run(main())):
-        assert r.output == f"{i} ['main.py', 'f.txt']\n"
+        assert r.output == f"{i} ['f.txt', 'main.py']\n"
 
 
 def test_registered_through_the_entry_point():
@@ -227,3 +269,190 @@ def test_registered_through_the_entry_point():
     assert entry.cls is PythonTool and (entry.dist, entry.version) == ("rlcli-python-tool", "0.1.0")
     with pytest.raises(ValidationError):
         PythonToolConfig(memory_mb=0)
+
+
+# ------------------------------------------------------------------------------ kernel layers
+def test_the_kernel_layers_are_reported_and_their_line_removed_from_stderr():
+    r = run("import sys\nprint('err', file=sys.stderr)")
+    assert r.status == "ok" and r.stderr == "err\n"
+    assert set(r.layers) == {"mounts", "capabilities", "landlock", "seccomp", "problems"}
+    assert r.layers["capabilities"] is True and r.namespaces == r.layers["mounts"]
+    # code that fakes the bootstrap's own refusal is not taken for a sandbox error: the layers line came first
+    forged = run("import os\nos.write(2, b'[sandbox] cannot set RLIMIT_CPU: no\\n')\nos._exit(70)")
+    assert forged.status == "error" and forged.exit_code == 70
+
+
+def test_every_kernel_layer_holds_on_this_machine_or_the_test_names_the_missing_one():
+    probe = kernel_layers()
+    if probe.missing:
+        pytest.skip("; ".join(probe.missing))
+    assert probe.layers["landlock"] >= 6 and probe.layers["seccomp"] and probe.layers["mounts"]
+    r = run("print(1)", strict=True)
+    assert r.status == "ok" and r.stdout == "1\n" and r.missing == []
+
+
+def test_strict_refuses_without_a_layer_and_the_default_warns_once():
+    r = run("print('ran')", network="audit", strict=True)  # no namespaces: the read-only mounts are missing
+    assert r.status == "sandbox_error" and r.stdout == ""
+    assert "cannot run strictly" in r.stderr and "no user and mount namespaces" in r.stderr
+    sandbox._WARNED.clear()
+    warnings, grab = [], logging.Handler(logging.WARNING)
+    grab.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("rlcli.python_tool")
+    logger.addHandler(grab)
+    try:
+        first, second = run("print(1)", network="audit"), run("print(2)", network="audit")
+    finally:
+        logger.removeHandler(grab)
+    assert first.ok and second.ok and first.layers["mounts"] is False
+    assert len(warnings) == 1 and "strict: true" in warnings[0] and "no user and mount namespaces" in warnings[0]
+
+
+CHMOD_INSIDE = "import os, shutil\nopen('a', 'w').close()\nos.chmod('a', 0o600)\nshutil.copy2('a', 'b')\nprint('ok')"
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="unshare cannot create the namespaces here")
+def test_with_read_only_mounts_metadata_calls_work_in_the_folder():
+    r = run(CHMOD_INSIDE)
+    assert r.layers["mounts"] and r.status == "ok" and r.stdout == "ok\n", r.stderr
+
+
+def test_without_namespaces_metadata_calls_are_refused_even_in_the_folder():
+    r = run(CHMOD_INSIDE, network="audit", audit_hook=False)
+    if not r.layers.get("seccomp"):
+        pytest.skip("no seccomp filter here: " + "; ".join(r.layers.get("problems", [])))
+    assert r.status == "error" and "PermissionError: [Errno 1] Operation not permitted: 'a'" in r.stderr
+
+
+def test_sqlite_files_outside_are_refused_by_the_hook_and_in_memory_ones_work(tmp_path):
+    for db in (str(tmp_path / "x.db"), f"file:{tmp_path}/x.db?mode=rwc"):
+        r = run(f"import sqlite3\nsqlite3.connect({db!r}, uri=True).execute('create table t(x)')")
+        assert r.status == "denied" and r.denied[0].startswith("sqlite3.connect"), r.stderr
+    assert not list(tmp_path.iterdir())
+    r = run("import sqlite3\nc = sqlite3.connect(':memory:')\nprint(c.execute('select 6 * 7').fetchone()[0])\n"
+            "sqlite3.connect('in.db').execute('create table t(x)')")
+    assert r.status == "ok" and r.stdout == "42\n", r.stderr
+
+
+def test_without_landlock_the_hook_refuses_libraries_that_open_files_in_c():
+    r = run("import sqlite3", without=("landlock",))
+    assert r.layers["landlock"] == 0 and r.status == "denied" and r.denied == ["importing _sqlite3"]
+
+
+def test_without_seccomp_the_calls_that_raise_no_audit_event_are_taken_away():
+    r = run("import os, signal\nprint([hasattr(m, f) for m, f in ((os, 'setpriority'), (os, 'sched_setaffinity'), "
+            "(os, 'pidfd_open'), (signal, 'pidfd_send_signal'))])", without=("seccomp",))
+    assert r.layers["seccomp"] is False and r.stdout == "[False, False, False, False]\n", r.stderr
+
+
+def test_strict_is_checked_when_the_recipe_is_loaded(monkeypatch):
+    assert PythonTool.check_config(PythonToolConfig()) == []
+    [(path, msg)] = PythonTool.check_config(PythonToolConfig(strict=True, network="audit"))
+    assert path == "network" and "network: auto" in msg
+    old_kernel = SandboxResult("ok", 0, "", "", 0.0, layers={"mounts": True, "capabilities": True, "landlock": 3,
+                                                              "seccomp": True})
+    monkeypatch.setattr(rlcli_python_tool, "kernel_layers", lambda *a: old_kernel)
+    [(path, msg)] = PythonTool.check_config(PythonToolConfig(strict=True))
+    assert path == "strict" and "Landlock ABI 3 < 6" in msg and "strict: false" in msg
+
+
+def test_validate_names_the_tool_option_that_cannot_hold():
+    from click.testing import CliRunner
+
+    from rlcli.cli import cli
+
+    recipe = Path(__file__).resolve().parents[3] / "recipes" / "tool-calculator.yaml"
+    out = CliRunner().invoke(cli, ["validate", str(recipe), "tasks.0.agent_loop.tools=[{name: calculator}, "
+                                   "{name: python, strict: true, network: audit}]"])
+    assert out.exit_code == 2, out.output
+    assert re.search(r"tasks\.0\.agent_loop\.tools\.1\.network: strict: true needs the namespaces", out.output)
+
+
+# ------------------------------------------------------------------------------ the seccomp filter
+ALLOW, EPERM, ENOSYS, KILL = 0x7FFF0000, 0x00050001, 0x00050026, 0x80000000
+ARCHES = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7)}
+
+
+def bpf(rows, nr, args=(), arch=0xC000003E):
+    """Run a classic BPF program on a seccomp_data record, as the kernel does."""
+    args = [a & (2 ** 64 - 1) for a in args] + [0] * (6 - len(args))
+    data, acc, pc = struct.pack("<iIQ6Q", nr, arch, 0, *args), 0, 0
+    while True:
+        code, jt, jf, k = rows[pc]
+        pc += 1
+        if code == 0x20:
+            acc = struct.unpack_from("<I", data, k)[0]
+        elif code in (0x15, 0x35, 0x45):
+            hit = acc == k if code == 0x15 else acc >= k if code == 0x35 else bool(acc & k)
+            pc += jt if hit else jf
+        elif code == 0x05:
+            pc += k
+        else:
+            assert code == 0x06
+            return k
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_seccomp_filter_decisions(arch):
+    col, audit_arch = ARCHES[arch]
+    me, other = 4242, 777
+    nr = {name: nums[col] for name, nums in {**_SC_DENY, **_SC_METADATA}.items()}
+    nr.update({name: nums[col] for name, (nums, _) in _SC_SELF.items()})
+    nr.update(setpriority=(141, 140)[col], prlimit64=(302, 261)[col], clone=(56, 220)[col], clone3=435,
+              fcntl=(72, 25)[col], ioctl=(16, 29)[col], read=(0, 63)[col], openat=(257, 56)[col])
+    strict, lenient = _sc_program(arch, me, True), _sc_program(arch, me, False)
+
+    def check(name, args, want, rows=strict):
+        assert bpf(rows, nr[name], args, audit_arch) == want, (name, args)
+
+    for target in (me, 0, -me, (0xDEADBEEF << 32) | me):  # the kernel reads an int: the high half is ignored
+        check("kill", [target, 9], ALLOW)
+    for target in (other, -1, -other, (me << 32) | other):
+        check("kill", [target, 9], EPERM)
+    check("tgkill", [other, other, 9], EPERM)
+    check("sched_setscheduler", [other, 5, 0], EPERM)
+    check("sched_setaffinity", [0, 8, 0], ALLOW)
+    check("setpriority", [0, 0, 19], ALLOW)
+    check("setpriority", [0, other, 19], EPERM)
+    check("setpriority", [2, 0, 19], EPERM)  # PRIO_USER: every process of the user
+    check("prlimit64", [0, 7, 0, 1000], ALLOW)  # reading a limit
+    for args in ([0, 7, 1000, 0], [0, 7, 1 << 32, 0], [other, 7, 0, 1000]):
+        check("prlimit64", args, EPERM)
+    check("clone", [0x00010000 | 0x100 | 0x800 | 0x400], ALLOW)  # a thread
+    for flags in (17, 0x00010000 | 0x10000000):  # fork (SIGCHLD), a thread in a new user namespace
+        check("clone", [flags], EPERM)
+    check("clone3", [0, 88], ENOSYS)
+    check("fcntl", [3, 8, other], EPERM)
+    check("fcntl", [3, 8, me], ALLOW)
+    check("fcntl", [3, 15, 0], EPERM)
+    check("fcntl", [3, 3, 0], ALLOW)
+    check("ioctl", [0, 0x5412, 0], EPERM)
+    check("ioctl", [0, 0x5401, 0], ALLOW)
+    for name in ("socket", "execve", "ptrace", "pidfd_send_signal", "io_uring_setup", "mount", "unshare"):
+        check(name, [0, 0, 0], EPERM)
+    check("read", [0, 0, 10], ALLOW)
+    check("openat", [0, 0, 0], ALLOW)
+    check("fchmodat", [0, 0, 0], EPERM)
+    check("fchmodat", [0, 0, 0], ALLOW, lenient)  # with read-only mounts, chmod in the folder works
+    assert bpf(strict, nr["read"], [0], 0x40000003) == KILL  # another ABI (i386)
+    if arch == "x86_64":
+        assert bpf(strict, 0x40000000 | 1, [0]) == EPERM  # x32
+    assert _sc_program("riscv64", me, True) is None
+
+
+@pytest.mark.parametrize("header, col", [("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", 0),
+                                         ("/usr/include/asm-generic/unistd.h", 1)])
+def test_seccomp_syscall_numbers_match_the_kernel_headers(header, col):
+    if not os.path.exists(header):
+        pytest.skip(f"{header} is not installed")
+    text = Path(header).read_text()
+    known = {m[0]: int(m[1]) for m in re.findall(r"#define __NR(?:3264)?_(\w+)\s+(\d+)", text)}
+    table = {**_SC_DENY, **_SC_METADATA, **{name: nums for name, (nums, _) in _SC_SELF.items()}}
+    checked = 0
+    for name, nums in table.items():
+        if name in known:
+            assert nums[col] == known[name], name
+            checked += 1
+        elif nums[col] is not None:
+            assert nums[col] >= 450, f"{name} is neither in {header} nor newer than it"
+    assert checked > 60
