@@ -9,7 +9,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from rlcli.algo.advantage import DrGRPOAdvantage, GRPOAdvantage, PassAtKAdvantage, RLOOAdvantage
+from rlcli.algo.advantage import (
+    DrGRPOAdvantage,
+    GRPOAdvantage,
+    PassAtKAdvantage,
+    RLOOAdvantage,
+    XTunerDrGRPOAdvantage,
+)
 from rlcli.plugins import get_registry
 
 
@@ -28,7 +34,7 @@ def _approx(t: torch.Tensor, ref: list[float], tol: float = 1e-5) -> None:
 def test_registered_with_configs():
     reg = get_registry()
     for name, cls in [("grpo", GRPOAdvantage), ("dr_grpo", DrGRPOAdvantage), ("rloo", RLOOAdvantage),
-                      ("pass_at_k", PassAtKAdvantage)]:
+                      ("pass_at_k", PassAtKAdvantage), ("xtuner_dr_grpo", XTunerDrGRPOAdvantage)]:
         assert reg.get("advantage_estimator", name) is cls
         assert cls.__doc__.strip() and "\n" not in cls.__doc__.strip()
         for field in cls.Config.model_fields.values():
@@ -63,6 +69,33 @@ def test_dr_grpo_is_centered_only():
     _approx(est.compute(torch.tensor([1.0, 0.0, 0.0, 1.0])), [0.5, -0.5, -0.5, 0.5])
     _approx(est.compute(torch.tensor([3.0, -1.0, 1.0]), torch.tensor([5, 9, 2])), [2.0, -2.0, 0.0])
     assert est.compute(torch.tensor([2.0])).tolist() == [0.0]
+
+
+def test_xtuner_dr_grpo_keeps_the_std_and_scales_by_length():
+    """XTuner's DrGRPOEstimator: z-score (n-1 std, eps 1e-8) times length / 32768. The issue's figure:
+    rewards [1, 0], lengths [100, 100] give ±0.00216 here and ±0.5 with the paper's dr_grpo."""
+    est = XTunerDrGRPOAdvantage()
+    z = 0.5 / (math.sqrt(0.5) + 1e-8)  # mean 0.5, unbiased std sqrt(0.5)
+    adv = est.compute(torch.tensor([1.0, 0.0]), torch.tensor([100.0, 100.0]))
+    _approx(adv, [z * 100 / 32768, -z * 100 / 32768], 1e-9)
+    assert adv.tolist() == pytest.approx([0.00216, -0.00216], abs=5e-6)
+    _approx(DrGRPOAdvantage().compute(torch.tensor([1.0, 0.0]), torch.tensor([100.0, 100.0])), [0.5, -0.5])
+    # each sample by its own length; options; degenerate groups are 0 (XTuner: NaN for one sample)
+    rng = random.Random(7)
+    for _ in range(10):
+        r = [rng.uniform(-1, 2) for _ in range(rng.randint(2, 8))]
+        n = [rng.randint(1, 4000) for _ in r]
+        ref = [a * m / 1000.0 for a, m in zip(_grpo_ref(r, 1e-3, True), n)]
+        _approx(XTunerDrGRPOAdvantage(XTunerDrGRPOAdvantage.Config(max_length=1000, eps=1e-3)).compute(
+            torch.tensor(r), torch.tensor(n)), ref)
+    assert est.compute(torch.tensor([1.0]), torch.tensor([5.0])).tolist() == [0.0]
+    assert est.compute(torch.tensor([0.3, 0.3]), torch.tensor([5.0, 9.0])).tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="length"):
+        est.compute(torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="length"):
+        est.compute(torch.tensor([1.0, 0.0]), torch.tensor([3.0]))
+    with pytest.raises(ValidationError):
+        XTunerDrGRPOAdvantage.Config(max_length=0)
 
 
 def test_rloo_acceptance_44_and_reference():
@@ -135,7 +168,8 @@ def test_bad_inputs_and_configs():
 
 
 @pytest.mark.parametrize("name,options", [("grpo", {}), ("grpo", {"std": "biased", "eps": 0.0}), ("dr_grpo", {}),
-                                          ("rloo", {}), ("pass_at_k", {"k": 2})])
+                                          ("xtuner_dr_grpo", {"max_length": 64}), ("rloo", {}),
+                                          ("pass_at_k", {"k": 2})])
 def test_compute_groups_equals_compute_per_group(name, options):
     """Many groups at once (the batched pass of the built-ins, the per-group loop otherwise) give
     exactly the advantages ``compute`` gives each group, degenerate groups included."""
@@ -152,8 +186,8 @@ def test_compute_groups_equals_compute_per_group(name, options):
         assert est.compute_groups(groups, lengths) == want
     # unequal sizes, a group of one, and a non-finite reward take the per-group path (which raises)
     mixed = [[1.0, 0.0, 1.0], [0.5], [3.0, 1.0]]
-    assert est.compute_groups(mixed, [[1] * len(r) for r in mixed]) == [
-        est.compute(torch.tensor(r, dtype=torch.float32)).tolist() for r in mixed]
+    assert est.compute_groups(mixed, [[3] * len(r) for r in mixed]) == [
+        est.compute(torch.tensor(r, dtype=torch.float32), torch.full((len(r),), 3.0)).tolist() for r in mixed]
     with pytest.raises(ValueError, match="finite"):
         est.compute_groups([[1.0, 0.0], [float("nan"), 1.0]], [[1, 1], [1, 1]])
 

@@ -48,7 +48,7 @@ EXPECTED = {
     ChecksConfig: {("agent_loop", "multi_turn"), ("judger", "composed"), ("sampler", "jsonl")},
     ChecksRecipe: set(),
     Shardable: {("sampler", "jsonl")},
-    ComputesGroups: {("advantage_estimator", n) for n in ("grpo", "dr_grpo", "rloo", "pass_at_k")},
+    ComputesGroups: {("advantage_estimator", n) for n in ("grpo", "dr_grpo", "xtuner_dr_grpo", "rloo", "pass_at_k")},
     ReportsRolloutMetrics: {("agent_loop", "multi_turn")},
     AcceptsLiveWeights: {("inference_backend", "embedded")},
     RatioOnly: {("policy_loss", "vanilla"), ("policy_loss", "gspo")},

@@ -132,3 +132,21 @@ def test_overrides_and_yaml_errors(repo, tmp_path):
         load_recipe(bad)
     with pytest.raises(RecipeError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")
+
+
+def test_loss_scale_factor_defaults_to_the_longest_training_response(raw, monkeypatch):
+    raw["train_worker"]["loss"]["loss_agg"] = "seq-mean-token-sum-norm"
+    raw["tasks"][0]["agent_loop"]["sample_params"]["max_tokens"] = 3
+    raw["eval"]["tasks"][0]["agent_loop"]["sample_params"]["max_tokens"] = 9  # evaluation trains nothing
+    rec = validate_recipe(copy.deepcopy(raw), base_dir=REPO / "recipes")
+    assert rec.train_worker.loss.build().loss_scale_factor == 3.0
+    assert resolved_dict(rec)["train_worker"]["loss"]["loss_scale_factor"] == 3.0  # fixed in resolved.yaml
+    raw["train_worker"]["loss"]["loss_scale_factor"] = 512
+    assert validate_recipe(copy.deepcopy(raw), base_dir=REPO / "recipes").train_worker.loss.cfg.loss_scale_factor == 512
+    # an agent loop without sample_params.max_tokens leaves nothing to default to: the field is named
+    del raw["train_worker"]["loss"]["loss_scale_factor"]
+    monkeypatch.setattr("rlcli.config.load._task_lengths", lambda recipe: [])
+    assert "set loss_scale_factor" in issues_of(raw)["train_worker.loss.loss_scale_factor"]
+    # the factor belongs to that mode only
+    raw["train_worker"]["loss"].update(loss_agg="token-mean", loss_scale_factor=512)
+    assert any("only applies to loss_agg 'seq-mean-token-sum-norm'" in m for m in issues_of(raw).values())

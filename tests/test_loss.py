@@ -124,6 +124,55 @@ def test_aggregation_weights():
         aggregation_weights("sum", mask, seq, 1, 1)
 
 
+# per-token losses 1..8 of four sequences; sequence 5 is fully masked, and one token of 7 is masked
+_LOSS = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+_MASK = torch.tensor([True, True, False, True, True, True, False, False])
+_SEQ = torch.tensor([7, 7, 7, 3, 3, 9, 5, 5])
+# by hand, over the kept tokens: sequence sums 7: 1+2, 3: 4+5, 9: 6; three sequences count (not 5)
+_HAND = {
+    "token-mean": (1 + 2 + 4 + 5 + 6) / 5,
+    "seq-mean-token-mean": ((1 + 2) / 2 + (4 + 5) / 2 + 6) / 3,
+    "seq-mean-token-sum": (3 + 9 + 6) / 3,
+    "seq-mean-token-sum-norm": (3 + 9 + 6) / 3 / 4,  # loss_scale_factor 4
+}
+
+
+@pytest.mark.parametrize("agg", list(_HAND))
+def test_aggregation_by_hand_and_independent_of_the_micro_batch_split(agg):
+    """The step loss of every mode equals the hand-computed value, with a fully masked sequence in
+    the batch, and the micro-batches' shares (each weighted with the step's global counts) add up to
+    it however the sequences are split."""
+    def share(sel: list[int]) -> float:
+        idx = torch.tensor(sel)
+        w = aggregation_weights(agg, _MASK[idx], _SEQ[idx], num_tokens=5, num_seqs=3, scale_factor=4.0)
+        assert torch.isfinite(w).all()
+        return float((_LOSS[idx] * w).sum())
+
+    whole = share(list(range(8)))
+    assert whole == pytest.approx(_HAND[agg], abs=1e-6)
+    for split in ([[0, 1, 2, 6, 7], [3, 4, 5]], [[0, 1, 2], [3, 4], [5], [6, 7]], [[6, 7], [0, 1, 2, 3, 4, 5]]):
+        assert sum(share(part) for part in split) == pytest.approx(whole, abs=1e-6)
+    alone = aggregation_weights(agg, _MASK[6:], _SEQ[6:], num_tokens=5, num_seqs=3, scale_factor=4.0)
+    assert alone.tolist() == [0.0, 0.0]  # the fully masked sequence on its own: weight 0, no NaN
+
+
+def test_sum_modes_weights_and_scale_factor():
+    w = aggregation_weights("seq-mean-token-sum", _MASK, None, num_tokens=10, num_seqs=4)
+    assert w.tolist() == pytest.approx([0.25, 0.25, 0.0, 0.25, 0.25, 0.25, 0.0, 0.0])
+    w = aggregation_weights("seq-mean-token-sum-norm", _MASK, None, 10, 4, scale_factor=8)
+    assert w.tolist() == pytest.approx([1 / 32, 1 / 32, 0.0, 1 / 32, 1 / 32, 1 / 32, 0.0, 0.0])
+    assert aggregation_weights("seq-mean-token-sum", _MASK, None, 0, 0).tolist() == _MASK.float().tolist()
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        aggregation_weights("seq-mean-token-sum-norm", _MASK, None, 10, 4)
+    loss = _vanilla(loss_agg="seq-mean-token-sum-norm", loss_scale_factor=8)
+    assert (loss.loss_agg, loss.loss_scale_factor) == ("seq-mean-token-sum-norm", 8.0)
+    assert GSPOPolicyLoss(GSPOPolicyLoss.Config(loss_agg="seq-mean-token-sum")).loss_scale_factor is None
+    with pytest.raises(ValidationError, match="only applies"):
+        VanillaPolicyLoss.Config(loss_scale_factor=8)
+    with pytest.raises(ValidationError):
+        VanillaPolicyLoss.Config(loss_agg="seq-mean-token-sum-norm", loss_scale_factor=0)
+
+
 def test_gspo_matches_sequence_level_reference():
     rng = random.Random(1)
     lens = [3, 1, 4, 2]

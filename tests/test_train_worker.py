@@ -126,6 +126,31 @@ def test_layouts_train_identically(model_dir, layout):
     assert_same_update(state(ref), state(w))
 
 
+def _dr_grpo_loss() -> VanillaPolicyLoss:
+    return VanillaPolicyLoss(VanillaPolicyLoss.Config(loss_agg="seq-mean-token-sum-norm", loss_scale_factor=5.0))
+
+
+def test_dr_grpo_aggregation_by_hand_whatever_the_packing(model_dir):
+    """Dr. GRPO's seq-mean-token-sum-norm (the other modes: tests/test_loss.py): the step loss is the
+    hand-computed one (ratio 1: each token's loss is -A) with a fully masked sequence in the batch,
+    and the update is the same in one pack or many, with or without the head's gradient ahead."""
+    seqs = make_batch(n=12, seed=11)
+    seqs[3].response_mask = [0] * len(seqs[3].response_ids)  # fully masked: in no count
+    seqs[4].response_ids, seqs[4].response_mask, seqs[4].rollout_logprobs = [7, 9, 11], [1, 0, 1], [-3.5] * 3
+    kept = [(s.advantage, sum(s.response_mask)) for s in seqs if sum(s.response_mask)]
+    hand = sum(-a * n for a, n in kept) / len(kept) / 5.0
+    configs = [dict(pack_max_length=64), dict(pack_max_length=12, logprob_chunk_size=3),
+               dict(pack_max_length=12, head_grad_in_forward=False)]
+    workers = [make_worker(model_dir, loss=_dr_grpo_loss(), **cfg) for cfg in configs]
+    metrics = [w.train_step(seqs) for w in workers]
+    assert metrics[0]["train/micro_batches"] == 1 < metrics[1]["train/micro_batches"]
+    for m in metrics:
+        assert m["train/loss"] == pytest.approx(hand, abs=1e-6)
+        assert m["train/sequences"] == len(kept) == 11
+    for w in workers[1:]:
+        assert_same_update(state(workers[0]), state(w))
+
+
 def test_multiple_optimizer_steps(model_dir):
     w = make_worker(model_dir, optimizer_steps=3, lr_scheduler={"name": "linear"}, total_steps=2)
     seqs = make_batch(n=30, seed=1)
@@ -665,7 +690,7 @@ CORRECTED = dict(kl={"coef": 0.5, "type": "k2"},
 _TWO_RANK_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_train_worker import CORRECTED, make_batch, make_worker
+    from test_train_worker import CORRECTED, _dr_grpo_loss, make_batch, make_worker
     from rlcli.dist import destroy, rank
     w = make_worker({model_dir!r}, pack_max_length=24)
     seqs = make_batch(n=30, seed=9)
@@ -678,6 +703,8 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
     # KL to the reference and masked IS: the kept-token normaliser is global
     corr = make_worker({model_dir!r}, pack_max_length=24, **CORRECTED)
     corrected = [corr.train_step(mine) for _ in range(2)]
+    # Dr. GRPO's aggregation with masked IS: the kept-sequence count is global too
+    normed = make_worker({model_dir!r}, loss=_dr_grpo_loss(), pack_max_length=24, **CORRECTED).train_step(mine)
     # share_prompts: groups of 5 with one prompt, one group split across the ranks
     grouped = make_batch(n=30, seed=11)
     for i, s in enumerate(grouped):
@@ -685,7 +712,8 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
     sh = make_worker({model_dir!r}, pack_max_length=24, share_prompts=True)
     shared = [sh.train_step(grouped[:21] if rank() == 0 else grouped[21:]) for _ in range(2)]
     if rank() == 0:
-        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared}}, {out!r})
+        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared, "normed": normed}},
+                   {out!r})
     torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
     destroy()
 """)
@@ -736,6 +764,9 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
         for key in ("train/loss", "train/grad_norm", "train/tokens", "train/sequences", "train/kl_ref",
                     "mismatch/masked_frac", "mismatch/kl", "mismatch/is_max", "mismatch/log_ppl_diff", "mismatch/ess"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    normed = make_worker(model_dir, loss=_dr_grpo_loss(), pack_max_length=24, **CORRECTED).train_step(seqs)
+    for key in ("train/loss", "train/grad_norm", "train/tokens", "train/sequences"):
+        assert got["normed"][key] == pytest.approx(normed[key], rel=1e-4, abs=1e-6), key
 
 
 def test_micro_batches_are_built_when_first_used_and_only_once(model_dir, monkeypatch):

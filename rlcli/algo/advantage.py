@@ -4,10 +4,16 @@ Every estimator is a registered component of kind ``advantage_estimator`` with o
 ``compute(rewards, lengths) -> advantages``, over the ``k`` samples of one prompt. The math runs
 in float64 and the result is returned as float32. ``compute_groups`` does many groups at once
 (the runner calls it once per step); by default it calls ``compute`` per group, and the GRPO,
-Dr. GRPO and RLOO estimators compute groups of equal size in one batched pass that gives the
-same values (a few tensor operations per step instead of a dozen per group). Degenerate groups never produce NaN: a group
-of one sample, or a group whose rewards are all equal, carries no relative signal and gets
-advantage 0 (except RLOO with ``k = 1``, which by definition returns the raw reward).
+both Dr. GRPO and the RLOO estimators compute groups of equal size in one batched pass that gives
+the same values (a few tensor operations per step instead of a dozen per group). Degenerate
+groups never produce NaN: a group of one sample, or a group whose rewards are all equal, carries
+no relative signal and gets advantage 0 (except RLOO with ``k = 1``, which by definition returns
+the raw reward).
+
+Two Dr. GRPOs: ``dr_grpo`` is the paper's (Liu et al., 2025: ``R - mean R``, no std; pair it with
+``loss_agg: seq-mean-token-sum-norm`` for the paper's whole method), ``xtuner_dr_grpo`` is
+XTuner's ``DrGRPOEstimator`` (the GRPO z-score, std kept, times ``length / max_length``). For
+rewards [1, 0] and lengths [100, 100] the first gives ±0.5, the second ±0.00216.
 """
 
 from __future__ import annotations
@@ -64,13 +70,27 @@ def _zero_equal_rows(r: torch.Tensor, adv: torch.Tensor) -> list[list[float]]:
     return adv.tolist()
 
 
+def _zscores(r: torch.Tensor, unbiased: bool, eps: float) -> torch.Tensor:
+    """``(r - mean) / (std + eps)`` of one group (float64; a caller handles degenerate groups)."""
+    return (r - r.mean()) / (r.std(unbiased=unbiased) + eps)
+
+
+def _zscore_rows(r: torch.Tensor, unbiased: bool, eps: float) -> torch.Tensor:
+    """:func:`_zscores` of every row of ``[groups, k]``."""
+    std = r.std(dim=1, unbiased=unbiased, keepdim=True)
+    return (r - r.mean(dim=1, keepdim=True)) / (std + eps)
+
+
 class GRPOAdvantage(AdvantageEstimator):
     """GRPO: reward minus the group mean, divided by the group std (+ eps)."""
 
     name: ClassVar[str] = "grpo"
 
     class Config(ComponentConfig):
-        eps: float = Field(1e-6, ge=0, description="Added to the group std before dividing.")
+        eps: float = Field(1e-6, ge=0, description="Added to the group std before dividing. XTuner's GRPO adds 1e-8, "
+                           "so its advantages are larger by (std + 1e-6) / (std + 1e-8): under 1% for a group std "
+                           "above 1e-4, about 13-fold when a group's two rewards differ by 1e-7. Set 1e-8 for "
+                           "XTuner's values.")
         std: Literal["unbiased", "biased"] = Field(
             "unbiased", description="Group std with n-1 (unbiased, as XTuner) or n (biased) in the denominator."
         )
@@ -79,19 +99,17 @@ class GRPOAdvantage(AdvantageEstimator):
         r = _as_rewards(rewards)
         if r.numel() == 1 or _all_equal(r):
             return torch.zeros(r.numel(), dtype=torch.float32)
-        std = r.std(unbiased=self.config.std == "unbiased")
-        return ((r - r.mean()) / (std + self.config.eps)).float()
+        return _zscores(r, self.config.std == "unbiased", self.config.eps).float()
 
     def compute_groups(self, rewards: list[list[float]], lengths: list[list[int]]) -> list[list[float]]:
         r = self._batched(rewards)
         if r is None:
             return super().compute_groups(rewards, lengths)
-        std = r.std(dim=1, unbiased=self.config.std == "unbiased", keepdim=True)
-        return _zero_equal_rows(r, ((r - r.mean(dim=1, keepdim=True)) / (std + self.config.eps)).float())
+        return _zero_equal_rows(r, _zscore_rows(r, self.config.std == "unbiased", self.config.eps).float())
 
 
 class DrGRPOAdvantage(AdvantageEstimator):
-    """Dr. GRPO: reward minus the group mean, without std normalisation."""
+    """Dr. GRPO as in the paper: reward minus the group mean, no std (XTuner's differs: xtuner_dr_grpo)."""
 
     name: ClassVar[str] = "dr_grpo"
 
@@ -109,6 +127,42 @@ class DrGRPOAdvantage(AdvantageEstimator):
         if r is None:
             return super().compute_groups(rewards, lengths)
         return _zero_equal_rows(r, (r - r.mean(dim=1, keepdim=True)).float())
+
+
+class XTunerDrGRPOAdvantage(AdvantageEstimator):
+    """XTuner's DrGRPOEstimator: the GRPO z-score times response length / max_length (std kept)."""
+
+    name: ClassVar[str] = "xtuner_dr_grpo"
+
+    class Config(ComponentConfig):
+        max_length: float = Field(32768.0, gt=0, description="Each advantage, the GRPO z-score (n-1 std + eps), is "
+                                  "multiplied by its response's length in tokens / max_length (XTuner's default "
+                                  "32768). Rewards [1, 0] with lengths [100, 100] give +-0.00216, where dr_grpo (the "
+                                  "paper's R - mean R) gives +-0.5.")
+        eps: float = Field(1e-8, ge=0, description="Added to the group's unbiased std before dividing (XTuner's 1e-8).")
+
+    def _scale(self, lengths: torch.Tensor | list, k: int) -> torch.Tensor:
+        n = torch.as_tensor(lengths, dtype=torch.float64)
+        if n.shape[-1] != k:
+            raise ValueError(f"xtuner_dr_grpo needs one response length per reward, got {n.shape[-1]} for {k}")
+        return n / self.config.max_length
+
+    def compute(self, rewards: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        """``A_i = (r_i - mean r) / (std r + eps) · len_i / max_length``, std with n - 1 (XTuner's
+        formula). A group of one sample gets 0, where XTuner's n - 1 std is NaN; a group whose
+        rewards are all equal gets 0, as in XTuner."""
+        r = _as_rewards(rewards)
+        if lengths is None:
+            raise ValueError("xtuner_dr_grpo scales by response length: lengths are required")
+        if r.numel() == 1 or _all_equal(r):
+            return torch.zeros(r.numel(), dtype=torch.float32)
+        return (_zscores(r, True, self.config.eps) * self._scale(lengths, r.numel())).float()
+
+    def compute_groups(self, rewards: list[list[float]], lengths: list[list[int]]) -> list[list[float]]:
+        r = self._batched(rewards)
+        if r is None:
+            return super().compute_groups(rewards, lengths)
+        return _zero_equal_rows(r, (_zscore_rows(r, True, self.config.eps) * self._scale(lengths, r.shape[1])).float())
 
 
 class RLOOAdvantage(AdvantageEstimator):
@@ -174,4 +228,4 @@ class PassAtKAdvantage(AdvantageEstimator):
 
 @hookimpl
 def register_advantage_estimators() -> list[type]:
-    return [GRPOAdvantage, DrGRPOAdvantage, RLOOAdvantage, PassAtKAdvantage]
+    return [GRPOAdvantage, DrGRPOAdvantage, XTunerDrGRPOAdvantage, RLOOAdvantage, PassAtKAdvantage]

@@ -4,7 +4,8 @@ A loss is a registered component of kind ``policy_loss``. Its one job is
 :meth:`PolicyLoss.per_token_loss`, which returns the *unweighted* loss of every token plus
 detached metrics; the train worker owns aggregation, because the normaliser (valid tokens or
 sequences in the whole optimizer step, across every rank) is only known there.
-:func:`aggregation_weights` turns a loss's ``loss_agg`` into per-token weights.
+:func:`aggregation_weights` turns a loss's ``loss_agg`` (and, for ``seq-mean-token-sum-norm``, its
+``loss_scale_factor``) into per-token weights.
 
 Metric convention (what the worker relies on): every metric is a 0-d tensor reduced over the
 valid tokens passed in. Names ending in ``_max`` / ``_min`` are extremes (an empty input gives
@@ -14,7 +15,7 @@ tokens (0 for an empty input), which the worker re-weights by the number of vali
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -22,7 +23,18 @@ from pydantic import Field, model_validator
 from rlcli import hookimpl
 from rlcli.component import Component, ComponentConfig
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGGS: tuple[str, ...] = LossAgg.__args__  # type: ignore[attr-defined]
+
+#: The modes, as the option descriptions state them (``w_t``: the weight of token ``t``).
+LOSS_AGG_HELP = (
+    "How the per-token losses of an optimizer step (all ranks) are combined, as each kept token's weight: "
+    "token-mean 1/(kept tokens); seq-mean-token-mean 1/(kept tokens of its sequence * sequences); "
+    "seq-mean-token-sum 1/sequences (each sequence's token sum, averaged; verl's); seq-mean-token-sum-norm "
+    "1/(sequences * loss_scale_factor) (Dr. GRPO's constant normaliser). Sequences count when they have a "
+    "kept token; a fully masked one weighs nothing and counts nowhere. The step's loss does not depend on "
+    "how it is split into micro-batches, packs or ranks."
+)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -50,19 +62,32 @@ def aggregation_weights(
     num_tokens: int,
     num_seqs: int,
     num_local_seqs: int | None = None,
+    scale_factor: float | None = None,
 ) -> torch.Tensor:
     """Per-token weights whose dot product with the per-token loss is this batch's share of the step loss.
 
     ``num_tokens`` / ``num_seqs``: valid tokens / sequences with at least one valid token in the
     whole optimizer step on all ranks. ``token-mean`` weighs every valid token
     ``1/num_tokens``; ``seq-mean-token-mean`` averages tokens within each sequence, then
-    sequences (``1/(tokens of its sequence · num_seqs)``). Masked tokens weigh 0; a step with
-    nothing to train on gives all-zero weights (never a division by zero). ``num_local_seqs``:
-    when given, ``seq_ids`` are already ``0..num_local_seqs-1`` (no host synchronisation).
+    sequences (``1/(tokens of its sequence · num_seqs)``); ``seq-mean-token-sum`` sums tokens
+    within each sequence, then averages sequences (``1/num_seqs``); ``seq-mean-token-sum-norm``
+    also divides by the constant ``scale_factor`` (``1/(num_seqs · scale_factor)``, Dr. GRPO's).
+    Every weight depends only on global counts and on the token's own sequence, which a pack
+    holds whole, so the step loss is the same however the step is split. Masked tokens weigh 0;
+    a step with nothing to train on gives all-zero weights (never a division by zero).
+    ``num_local_seqs``: when given, ``seq_ids`` are already ``0..num_local_seqs-1`` (no host
+    synchronisation).
     """
     maskf = mask.to(torch.float32)
     if loss_agg == "token-mean":
         return maskf / max(num_tokens, 1)
+    if loss_agg == "seq-mean-token-sum":
+        return maskf / max(num_seqs, 1)
+    if loss_agg == "seq-mean-token-sum-norm":
+        if scale_factor is None or not scale_factor > 0:
+            raise ValueError("loss_agg 'seq-mean-token-sum-norm' needs a positive loss_scale_factor, "
+                             f"got {scale_factor!r}")
+        return maskf / (max(num_seqs, 1) * float(scale_factor))
     if loss_agg == "seq-mean-token-mean":
         if seq_ids is None:
             raise ValueError("loss_agg 'seq-mean-token-mean' needs seq_ids")
@@ -71,7 +96,7 @@ def aggregation_weights(
             num_local_seqs = int(seq_ids.max()) + 1 if seq_ids.numel() else 0
         per_seq = torch.zeros(num_local_seqs, device=mask.device).index_add_(0, seq_ids, maskf)
         return maskf / (per_seq[seq_ids].clamp(min=1) * max(num_seqs, 1))
-    raise ValueError(f"unknown loss_agg {loss_agg!r}; expected 'token-mean' or 'seq-mean-token-mean'")
+    raise ValueError(f"unknown loss_agg {loss_agg!r}; expected one of {', '.join(LOSS_AGGS)}")
 
 
 def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -99,6 +124,11 @@ class PolicyLoss(Component):
     def loss_agg(self) -> str:
         return getattr(self.config, "loss_agg", "token-mean")
 
+    @property
+    def loss_scale_factor(self) -> float | None:
+        """The constant of ``seq-mean-token-sum-norm`` (None when the config has none)."""
+        return getattr(self.config, "loss_scale_factor", None)
+
     def per_token_loss(
         self,
         logp: torch.Tensor,
@@ -115,6 +145,21 @@ class PolicyLoss(Component):
         raise NotImplementedError
 
 
+_CLIPFRAC_HELP = (
+    "train/clipfrac counts the kept tokens whose ratio lies outside [1 - clip_low, 1 + clip_high] "
+    "(XTuner's clip_frac_low + clip_frac_high), whatever the advantage's sign; verl's pg_clipfrac counts "
+    "only the tokens where the clipped term is the one taken (the clip is active), so it reads lower."
+)
+
+
+def _scale_factor_field() -> Any:
+    return Field(
+        None, gt=0, description="seq-mean-token-sum-norm only: the constant every sequence's token sum is divided "
+        "by (Dr. GRPO's normaliser, verl's loss_scale_factor). Null: the largest "
+        "agent_loop.sample_params.max_tokens of the training tasks, fixed when the recipe is loaded (verl's "
+        "default is its padded response length, the same maximum); resolved.yaml shows the value used.")
+
+
 class _ClipConfig(ComponentConfig):
     log_prob_diff_min: float = Field(-20.0, description="Lower clamp of logp - old_logp before exp().")
     log_prob_diff_max: float = Field(20.0, description="Upper clamp of logp - old_logp before exp().")
@@ -125,6 +170,10 @@ class _ClipConfig(ComponentConfig):
             raise ValueError(
                 f"log_prob_diff_min={self.log_prob_diff_min} must be < log_prob_diff_max={self.log_prob_diff_max}"
             )
+        agg = getattr(self, "loss_agg", None)
+        if getattr(self, "loss_scale_factor", None) is not None and agg != "seq-mean-token-sum-norm":
+            raise ValueError(f"loss_scale_factor only applies to loss_agg 'seq-mean-token-sum-norm' (loss_agg is "
+                             f"{agg!r}): remove it, or set loss_agg: seq-mean-token-sum-norm")
         return self
 
 
@@ -135,14 +184,14 @@ class VanillaPolicyLoss(PolicyLoss):
     ratio_only: ClassVar[bool] = True
 
     class Config(_ClipConfig):
-        clip_low: float = Field(0.2, ge=0, lt=1, description="Ratio clipped below at 1 - clip_low.")
+        clip_low: float = Field(0.2, ge=0, lt=1,
+                                description="Ratio clipped below at 1 - clip_low. " + _CLIPFRAC_HELP)
         clip_high: float = Field(0.28, ge=0, description="Ratio clipped above at 1 + clip_high.")
         clip_ratio_c: float | None = Field(
             3.0, gt=1, description="Dual clip: loss of negative-advantage tokens capped at -A*c; null disables it."
         )
-        loss_agg: LossAgg = Field(
-            "token-mean", description="token-mean or seq-mean-token-mean over the optimizer step."
-        )
+        loss_agg: LossAgg = Field("token-mean", description=LOSS_AGG_HELP)
+        loss_scale_factor: float | None = _scale_factor_field()
 
     def per_token_loss(self, logp, old_logp, adv, mask, seq_ids=None):
         cfg = self.config
@@ -179,11 +228,18 @@ class GSPOPolicyLoss(PolicyLoss):
     ratio_only: ClassVar[bool] = True
 
     class Config(_ClipConfig):
-        clip_low: float = Field(3e-4, ge=0, lt=1, description="Sequence ratio clipped below at 1 - clip_low.")
+        log_prob_diff_min: float = Field(-20.0, description="Lower clamp of the sequence log-ratio (the mean of "
+                                         "logp - old_logp over the sequence) before exp().")
+        log_prob_diff_max: float = Field(20.0, description="Upper clamp of the sequence log-ratio before exp(). "
+                                         "verl clamps it at 10 (above only): set 10 for verl's value.")
+        clip_low: float = Field(3e-4, ge=0, lt=1, description="Sequence ratio clipped below at 1 - clip_low. "
+                                + _CLIPFRAC_HELP)
         clip_high: float = Field(4e-4, ge=0, description="Sequence ratio clipped above at 1 + clip_high.")
         loss_agg: LossAgg = Field(
-            "seq-mean-token-mean", description="GSPO's objective is a mean over sequences of token means."
+            "seq-mean-token-mean", description="GSPO's objective is a mean over sequences of token means "
+            "(seq-mean-token-mean); the other modes are those of the vanilla loss."
         )
+        loss_scale_factor: float | None = _scale_factor_field()
 
     def per_token_loss(self, logp, old_logp, adv, mask, seq_ids=None):
         """GSPO-token form: every token of sequence ``i`` carries ratio ``s_i = exp(mean_t(logp - old))``

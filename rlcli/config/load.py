@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from rlcli.component import ChecksRecipe
-from rlcli.config.fit import check_fit
+from rlcli.config.fit import _task_lengths, check_fit
 from rlcli.config.issues import Issue, RecipeError
 from rlcli.config.resolve import _issue_from_pydantic, _resolve_component
 from rlcli.config.rules import _check_rules
@@ -57,6 +57,7 @@ def validate_recipe(raw: Any, registry: Registry | None = None, source: str | No
 
     if recipe is not None:
         issues += check_fit(recipe)
+        issues += _fill_loss_scale_factor(recipe)
         for check in _recipe_checks(registry):
             for path, msg in check(recipe) or []:
                 issues.append(Issue(path, msg))
@@ -69,6 +70,24 @@ def validate_recipe(raw: Any, registry: Registry | None = None, source: str | No
     if source is not None:
         recipe._source = Path(source)
     return recipe
+
+
+def _fill_loss_scale_factor(recipe: Recipe) -> list[Issue]:
+    """``train_worker.loss.loss_scale_factor`` left null with ``loss_agg: seq-mean-token-sum-norm``
+    becomes the largest ``max_tokens`` of the training tasks (verl's default, the longest response),
+    so that the constant is fixed, and written in resolved.yaml, before the run starts."""
+    spec = recipe.train_worker.loss
+    cfg = spec._cfg
+    if (cfg is None or "loss_scale_factor" not in type(cfg).model_fields
+            or cfg.loss_scale_factor is not None or getattr(cfg, "loss_agg", None) != "seq-mean-token-sum-norm"):
+        return []
+    budgets = [max_tokens for _, trains, _, max_tokens in _task_lengths(recipe) if trains]
+    if not budgets:
+        return [Issue("train_worker.loss.loss_scale_factor", "loss_agg 'seq-mean-token-sum-norm' divides each "
+                      "sequence's token sum by a constant, and no training task has agent_loop.sample_params."
+                      "max_tokens to take it from: set loss_scale_factor (e.g. the longest response in tokens)")]
+    spec._cfg = cfg.model_copy(update={"loss_scale_factor": float(max(budgets))})
+    return []
 
 
 def _recipe_checks(registry: Registry) -> list:

@@ -1,10 +1,15 @@
 """The ``gsm8k`` judger: the final answer after ``####``, compared as an exact number.
 
-Rule (as in XTuner's GSM8K judger): search only the last ``search_last_chars`` characters of the
-response for ``#### <number>``; when there are several, the **last** one wins; ``,`` and ``$``
-are stripped. Then, unlike XTuner (which compares strings, so "#### 72.0" against "72" scores 0),
-prediction and label are compared as exact numbers: "72.0" == "72", "1,000" == "1000",
-"$5" == "5", "72." == "72". A non-numeric capture (e.g. "1.2.3") falls back to string equality.
+Rule (XTuner's GSM8K judger, with two differences): search only the last ``search_last_chars``
+characters of the response for ``#### <number>``; when there are several, the **last** one wins;
+``,`` is stripped. The differences:
+
+- ``$`` is part of the answer pattern here and stripped: "#### $5" reads 5. XTuner's pattern,
+  ``#### (-?[0-9.,]+)``, has no ``$``, so there "#### $5" is no answer (score 0), and the ``$``
+  it strips from a capture is never in one.
+- Prediction and label are compared as exact numbers, where XTuner compares strings ("#### 72.0"
+  against "72" scores 0 there): "72.0" == "72", "1,000" == "1000", "$5" == "5", "72." == "72".
+  A non-numeric capture (e.g. "1.2.3") falls back to string equality.
 
 Scores: correct → ``correct_score``; a well-formed but wrong answer → ``format_score``; no
 ``####`` answer at all → 0.
@@ -52,7 +57,7 @@ class GSM8KConfig(JudgerConfig):
 
 
 class GSM8KJudger(Judger):
-    """GSM8K: the last '#### <number>' in the response equals the label, compared as exact numbers."""
+    """GSM8K: the last '#### <number>' (also '#### $<number>', unlike XTuner) equals the label as an exact number."""
 
     name: ClassVar[str] = "gsm8k"
     Config: ClassVar[type[GSM8KConfig]] = GSM8KConfig

@@ -59,6 +59,15 @@ def kept_counts(batches: list[list[MicroBatch]], corr: list[list[RolloutCorrecti
     return [t for t, _ in counts], [n for _, n in counts]
 
 
+def loss_weights(policy_loss: PolicyLoss, mb: MicroBatch, mask: torch.Tensor, num_tokens: int,
+                 num_seqs: int) -> torch.Tensor:
+    """The aggregation weight of every label of ``mb`` (0 where ``mask`` is False) for the
+    mini-batch's global counts: the policy loss's ``loss_agg`` and ``loss_scale_factor``. The one
+    place both the ordinary path and :func:`on_policy_grad` take them from."""
+    return aggregation_weights(policy_loss.loss_agg, mask, mb.seq_local, num_tokens, num_seqs,
+                               num_local_seqs=len(mb.seq_indices), scale_factor=policy_loss.loss_scale_factor)
+
+
 def micro_batch_loss(cfg: TrainWorkerConfig, policy_loss: PolicyLoss, mb: MicroBatch, logp: torch.Tensor,
                      old_logp: torch.Tensor, ent: torch.Tensor, c: RolloutCorrection, ref_logp: torch.Tensor | None,
                      counts: tuple[int, int], m: StepMetrics) -> tuple[torch.Tensor, dict[str, Any], Any]:
@@ -75,8 +84,7 @@ def micro_batch_loss(cfg: TrainWorkerConfig, policy_loss: PolicyLoss, mb: MicroB
     # the evaluation at 0): its value and metrics are the reported ones, and a non-finite
     # logprob still makes it non-finite and skips the update, as on the ordinary path.
     tok_loss, metrics = policy_loss.per_token_loss(logp, old_logp, mb.advantages, mask, mb.seq_local)
-    w = aggregation_weights(policy_loss.loss_agg, mask, mb.seq_local, num_tokens, num_seqs,
-                            num_local_seqs=len(mb.seq_indices))
+    w = loss_weights(policy_loss, mb, mask, num_tokens, num_seqs)
     loss = (tok_loss * (w * c.weight if c is not None and c.weight is not None else w)).sum()
     if cfg.entropy_coef > 0:  # the bonus, weighted like the policy term (masked tokens: 0)
         loss = loss - cfg.entropy_coef * (ent * w).sum()
@@ -115,8 +123,6 @@ def on_policy_grad(policy_loss: PolicyLoss, mb: MicroBatch, num_tokens: int, num
     mask = torch.ones_like(mb.labels, dtype=torch.bool)
     with torch.enable_grad():
         tok_loss, _ = policy_loss.per_token_loss(z, z.detach(), mb.advantages, mask, mb.seq_local)
-        w = aggregation_weights(policy_loss.loss_agg, mask, mb.seq_local, num_tokens, num_seqs,
-                                num_local_seqs=len(mb.seq_indices))
-        loss = (tok_loss * w).sum()
+        loss = (tok_loss * loss_weights(policy_loss, mb, mask, num_tokens, num_seqs)).sum()
         (g,) = torch.autograd.grad(loss * world_size if world_size > 1 else loss, z, allow_unused=True)
     return torch.zeros_like(z) if g is None else g.detach()
