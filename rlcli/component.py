@@ -52,8 +52,9 @@ class ChecksConfig(Protocol):
 
     ``check_config(cfg) -> [(field, message)]``, a classmethod; it may also take a keyword
     ``registry`` (the component registry, for options that name other components). Called while
-    a recipe is loaded (``rlcli validate``, ``rlcli train``) on each component section, and by the
-    ``composed`` judger on each branch; each pair becomes an error at ``<section>.<field>``."""
+    a recipe is loaded (``rlcli validate``, ``rlcli train``) on each component section, and on each
+    judger section inside a judger's options (``composed`` branches, the judger ``overlong``
+    wraps); each pair becomes an error at ``<section>.<field>``."""
 
     @classmethod
     def check_config(cls, cfg: Any) -> list[tuple[str, str]]: ...

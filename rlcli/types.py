@@ -57,6 +57,11 @@ def group_status(samples: list["Sample"]) -> Status:
     return Status.COMPLETED if Status.COMPLETED in statuses else Status.FAILED
 
 
+EXCLUDE_FROM_LOSS = "exclude_from_loss"
+"""Reward key: a judger that sets it true keeps its sample in the group's advantages but out of the
+loss (DAPO's overlong filtering, ``overlong`` judger); counted in ``rollout/loss_excluded_samples``."""
+
+
 class SampleParams(BaseModel):
     """How one response is sampled. ``temperature: 0`` means greedy."""
 
@@ -112,6 +117,11 @@ class Sample:
     @property
     def score(self) -> float:
         return float((self.reward or {}).get("score", 0.0))
+
+    @property
+    def excluded_from_loss(self) -> bool:
+        """Its judger asked (reward key :data:`EXCLUDE_FROM_LOSS`) that it not be trained on."""
+        return bool((self.reward or {}).get(EXCLUDE_FROM_LOSS))
 
     def reset_response(self) -> None:
         """Drop everything generated so far; keep the prompt (used for re-rolls)."""

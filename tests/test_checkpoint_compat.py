@@ -34,6 +34,8 @@ DISAGG = FIXTURES / "disaggregated"
 STEP, TOTAL = 4, 8
 VOLATILE = ("timing/", "judger/time_s", "train/step_time_s", "rollout/group_time", "engine/busy_s")
 TOL = {"rel": 1e-5, "abs": 1e-7}
+# Metric names added since 4fc714f, each listed here (a renamed or dropped one still fails)
+ADDED_METRICS = {"rollout/loss_excluded_samples"}
 
 
 def stable(row: dict) -> dict:
@@ -45,7 +47,7 @@ def rows(path: Path) -> list[dict]:
 
 
 def assert_rows_match(got: dict, want: dict) -> None:
-    assert got.keys() == want.keys(), (sorted(set(got) ^ set(want)))
+    assert got.keys() - ADDED_METRICS == want.keys(), (sorted((set(got) - ADDED_METRICS) ^ set(want)))
     for k, v in want.items():
         if isinstance(v, float):
             assert got[k] == pytest.approx(v, **TOL), (got["step"], k, got[k], v)
@@ -130,7 +132,7 @@ def test_old_disaggregated_checkpoint_resumes(tmp_path):
     always = set.intersection(*(set(w) for w in want))  # the names every recorded row has
     for g in got:
         assert always <= set(g), (g["step"], sorted(always - set(g)))
-    assert {k for g in got for k in g} <= {k for w in want for k in w}  # no metric name the old code lacked
+    assert {k for g in got for k in g} <= {k for w in want for k in w} | ADDED_METRICS  # none the old code lacked
     assert got[-1]["train/lr"] == want[-1]["train/lr"]
     ledger = [json.loads(x) for x in (work / "trained_groups.jsonl").read_text().splitlines()]
     before = [json.loads(x) for x in (DISAGG / "trained_groups.jsonl").read_text().splitlines()][:STEP]

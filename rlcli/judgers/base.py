@@ -6,6 +6,9 @@ picklable when ``executor: process`` is used (CPU-heavy judgers such as sympy-ba
 the runner calls them in a worker pool with a per-call timeout, so an exception or a hang
 marks only that sample FAILED, never the run. With ``truncated_score`` set, a response that
 never reached EOS (cut off at ``max_tokens``) gets that score and the judger is not called.
+A reward dict holding ``"exclude_from_loss": True`` (:data:`rlcli.types.EXCLUDE_FROM_LOSS`)
+keeps its sample in its group's advantages but out of the loss (the ``overlong`` judger's
+``exclude_truncated``).
 """
 
 from __future__ import annotations

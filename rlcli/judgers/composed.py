@@ -28,20 +28,16 @@ from __future__ import annotations
 import threading
 from typing import Any, ClassVar
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
-from rlcli.component import ChecksConfig
 from rlcli.judgers.base import Judger, JudgerConfig
-from rlcli.plugins import PluginError, Registry, get_registry
+from rlcli.judgers.specs import build_judger, check_judger_spec, judger_spec_issues
+from rlcli.plugins import Registry, get_registry
 from rlcli.types import Sample
 
 
 def _check_branch_spec(spec: Any) -> dict[str, Any]:
-    if not isinstance(spec, dict):
-        raise ValueError(f"a branch must be a mapping like {{name: gsm8k}}, got {spec!r}")
-    if not isinstance(spec.get("name"), str) or not spec["name"]:
-        raise ValueError(f"a branch needs a 'name' naming a registered judger, got {spec!r}")
-    return spec
+    return check_judger_spec(spec, "a branch")
 
 
 class ComposedConfig(JudgerConfig):
@@ -67,12 +63,6 @@ class ComposedConfig(JudgerConfig):
     @classmethod
     def _valid_default(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         return None if v is None else _check_branch_spec(v)
-
-
-def _build_branch(registry: Registry, spec: dict[str, Any]) -> Judger:
-    cls = registry.get("judger", spec["name"])
-    options = {k: v for k, v in spec.items() if k != "name"}
-    return cls(cls.Config.model_validate(options))
 
 
 class ComposedJudger(Judger):
@@ -101,27 +91,7 @@ class ComposedJudger(Judger):
         if cfg.default is not None:
             specs.append(("default", cfg.default))
         for where, spec in specs:
-            try:
-                sub = registry.get("judger", spec["name"])
-            except PluginError as exc:
-                issues.append((f"{where}.name", str(exc)))
-                continue
-            options = {k: v for k, v in spec.items() if k != "name"}
-            try:
-                sub_cfg = sub.Config.model_validate(options)
-            except ValidationError as exc:
-                for err in exc.errors():
-                    loc = ".".join(str(p) for p in err["loc"])
-                    msg = err["msg"].removeprefix("Value error, ")
-                    if err["type"] == "extra_forbidden":
-                        msg = f"unknown key; allowed: {', '.join(sub.Config.model_fields)}"
-                    issues.append((f"{where}.{loc}" if loc else where, f"{msg} (options of judger {spec['name']!r})"))
-                continue
-            if isinstance(sub, ChecksConfig):
-                check = sub.check_config
-                nested = check(sub_cfg, registry) if issubclass(sub, ComposedJudger) else check(sub_cfg)
-                for field_name, msg in nested or []:
-                    issues.append((f"{where}.{field_name}" if field_name else where, msg))
+            issues += judger_spec_issues(registry, where, spec)
         return issues
 
     # ------------------------------------------------------------------ building
@@ -131,8 +101,8 @@ class ComposedJudger(Judger):
         with self._lock:
             if self._branches is None:
                 registry = self._registry or get_registry()
-                branches = {source: _build_branch(registry, spec) for source, spec in self.config.branches.items()}
-                self._default = _build_branch(registry, self.config.default) if self.config.default else None
+                branches = {source: build_judger(registry, spec) for source, spec in self.config.branches.items()}
+                self._default = build_judger(registry, self.config.default) if self.config.default else None
                 self._branches = branches
             return self._branches
 

@@ -421,6 +421,7 @@ class RolloutManager:
             "response/length_mean": statistics.fmean(lengths) if lengths else 0.0,
             "response/length_max": float(max(lengths, default=0)),
             "response/truncated_frac": (sum(s.finish_reason == "length" for s in samples) / len(samples)) if samples else 0.0,
+            "rollout/loss_excluded_samples": float(sum(s.excluded_from_loss for s in samples)),
             "prompt/length_mean": statistics.fmean(len(s.prompt_ids) for s in samples) if samples else 0.0,
             "rollout/groups": float(len(groups)),
             "rollout/samples": float(len(samples)),

@@ -1,4 +1,9 @@
-"""A step's groups -> training sequences: per-group advantages on every completed sample."""
+"""A step's groups -> training sequences: per-group advantages on every completed sample.
+
+Every judged COMPLETED sample counts in its group's advantages; one whose reward asks for it
+(``exclude_from_loss``, e.g. a truncated response under the ``overlong`` judger's
+``exclude_truncated``) then becomes no training sequence.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ from rlcli.types import Group, Status
 
 
 def sequences_from_groups(groups: list[Group], estimator):
-    """Per-group advantages -> training sequences (FAILED members are left out)."""
+    """Per-group advantages -> training sequences (FAILED members are left out; members excluded
+    from the loss count in their group's advantages only)."""
     from rlcli.algo.advantage import AdvantageEstimator
     from rlcli.train.data import TrainSequence
 
@@ -23,6 +29,8 @@ def sequences_from_groups(groups: list[Group], estimator):
         advantages = AdvantageEstimator.compute_groups(estimator, rewards, lengths)
     for members, adv in zip(kept, advantages):
         for s, a in zip(members, adv):
+            if s.excluded_from_loss:
+                continue
             seqs.append(TrainSequence(
                 prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                 response_mask=s.response_mask or [1] * len(s.response_ids),
