@@ -1,5 +1,6 @@
-"""The disaggregated runner: placements, the weight transport, every mode on real gloo ranks,
-SIGKILL + auto_resume without losing or re-training a buffered group, and failing ranks.
+"""The disaggregated runner: placements, the weight transport, the order of a sync point, every mode
+on real gloo ranks, lock-step against the colocated run, SIGKILL + auto_resume without losing or
+re-training a buffered group, and failing ranks.
 
 Runs are real ``rlcli train --nproc-per-node N`` subprocesses on the CPU (a few seconds of model
 work each; most of their time is process start-up).
