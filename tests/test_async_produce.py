@@ -719,6 +719,50 @@ def test_batch_size_errors_and_task_validation():
         make_manager(backend, t)
 
 
+def test_each_sample_trains_on_its_own_advantage_from_rollout_to_micro_batch():
+    # behaviour 40 on the real path: judged scores [3, -1] -> the step's reward metrics -> the
+    # estimator computes the advantages (no precomputed values) -> each sample's own advantage on
+    # every trained token of that sample
+    from rlcli.algo.advantage import GRPOAdvantage, RLOOAdvantage
+    from rlcli.runner.sequences import sequences_from_groups
+    from rlcli.train.data import build_micro_batch, pack_sequences
+
+    class ThreeOrMinusOne:
+        name = "three_or_minus_one"
+
+        def judge(self, response, label, sample):
+            return 3.0 if sample.uid % 2 == 0 else -1.0
+
+    backend = ScriptedBackend(lambda uid: 2 if uid % 2 == 0 else 1)  # responses [TOK, EOS] and [EOS]
+    m = make_manager(backend, make_task("t", backend, judger=ThreeOrMinusOne()))
+    res = run(window(m, backend, 1, 1))
+    assert (res.metrics["reward/mean"], res.metrics["reward/min"], res.metrics["reward/max"]) == (1.0, -1.0, 3.0)
+    for estimator, want in ((GRPOAdvantage(), [2 ** -0.5, -(2 ** -0.5)]), (RLOOAdvantage(), [4.0, -4.0])):
+        seqs, adv = sequences_from_groups(res.groups, estimator)
+        assert [s.seq_id for s in seqs] == [0, 1] and adv == pytest.approx(want, abs=1e-5)
+        assert [s.advantage for s in seqs] == adv
+        (pack,) = pack_sequences(seqs, 100)
+        mb = build_micro_batch(seqs, pack, "packed")
+        assert mb.labels.tolist() == [TOK, EOS, EOS]
+        assert mb.advantages.tolist() == pytest.approx([want[0], want[0], want[1]], abs=1e-5)
+
+
+def test_a_batch_without_a_trainable_group_is_an_error():
+    # behaviour 63 on the manager's side: a rollout that leaves no group to train on ends the step
+    # with an error (after pausing the backend) instead of handing the trainer an empty batch
+    backend = ScriptedBackend()
+    task = make_task("t", backend)
+    m = make_manager(backend, task)
+
+    async def produce_nothing(task, ctx):
+        return None
+
+    task.strategy.produce_batch = produce_nothing
+    with pytest.raises(RuntimeError, match="rollout produced no trainable group"):
+        run(window(m, backend, 2, 1))
+    assert backend.paused and task.strategy.pending == 0 and backend.requests == []
+
+
 def test_multitask_order_sizes_and_per_task_metrics():
     # behaviours 1, 6 and the acceptance's 2:1 split of 9
     backend = ScriptedBackend()

@@ -1,5 +1,6 @@
-"""The disaggregated runner: placements, the weight transport, every mode on real gloo ranks,
-SIGKILL + auto_resume without losing or re-training a buffered group, and failing ranks.
+"""The disaggregated runner: placements, the weight transport, the order of a sync point, every mode
+on real gloo ranks, lock-step against the colocated run, SIGKILL + auto_resume without losing or
+re-training a buffered group, and failing ranks.
 
 Runs are real ``rlcli train --nproc-per-node N`` subprocesses on the CPU (a few seconds of model
 work each; most of their time is process start-up).
@@ -183,6 +184,9 @@ class _ScriptedRollout:
     def continue_(self, model_step):
         self.log.append(("continue", model_step))
 
+    def stop(self):
+        self.log.append(("stop",))
+
 
 def test_empty_expired_answer_syncs_the_previous_version_and_asks_that_rank_again():
     # behaviour 31 with two rollout ranks: rank 0 must wait for newer weights, rank 1 already answered
@@ -207,6 +211,51 @@ def test_empty_expired_answer_syncs_the_previous_version_and_asks_that_rank_agai
     assert batch.expired  # rank 0's producer still waits: the step ends with a sync
     assert batch.metrics["sync/expired_retries"] == 1 and batch.metrics["rollout/tokens"] == 6
     assert batch.metrics["timing/wait_for_batch_s"] >= 0
+
+
+def test_sync_points_push_evaluate_and_save_while_production_is_paused(tmp_path, monkeypatch):
+    # behaviour 32: at a sync point the producer is paused, then weights -> eval -> (the step's row)
+    # -> checkpoint -> continue_produce; nothing of it runs while the producer runs. XTuner saves
+    # first; rlcli logs the row before the checkpoint (docs/disaggregated.md), which changes no content.
+    from rlcli.produce import ProduceStatus
+    from rlcli.runner.disaggregated import TrainSide, train_side
+    from rlcli.runner.records import Timer
+    from rlcli.runner.schedule import Schedule
+    from rlcli.types import Group
+
+    def answer(step):  # step 3's producer reached its bound: that step ends with an early sync
+        return BatchReply([Group(step, "t", [])], ProduceStatus.EXPIRED_BATCH if step == 3 else ProduceStatus.NORMAL, {})
+
+    ro = _ScriptedRollout({0: [answer(t) for t in range(1, 6)]})
+    ro.ranks = [5]
+    side = TrainSide.__new__(TrainSide)
+    side.rollout, side.timer, side.step, side.quiet, side.work_dir, side.recipe = ro, Timer(), 0, True, tmp_path, None
+    side.schedule = Schedule(total_steps=5, sync_interval=2, evaluate=True, initial_evaluate=True, evaluate_step=2,
+                             checkpoint_interval=2, hf_interval=None)
+    side._push_weights = lambda version: ro.log.append(("weights", version))
+    side._evaluate = lambda step: ro.log.append(("eval", step)) or {}
+    side._save_checkpoint = lambda step: ro.log.append(("save", step))
+    side._export_hf = lambda step: ro.log.append(("hf", step))
+    side._train = lambda groups: ro.log.append(("train", [g.group_id for g in groups])) or {}
+    side._log = lambda step, metrics, groups=None: ro.log.append(("log", step)) or metrics
+    side._record = side._op = lambda *a: None
+    monkeypatch.setattr(train_side, "mark_finished", lambda *a: None)
+    side._coordinate()
+    events = [e for e in ro.log if e[0] != "recv"]
+    paused_sync = {2: [("eval", 2), ("log", 2), ("save", 2)], 3: [("log", 3)], 4: [("eval", 4), ("log", 4), ("save", 4)],
+                   5: [("eval", 5), ("log", 5)]}
+    want = [("weights", 0), ("eval", 0), ("log", 0), ("continue", 0)]
+    for t in range(1, 6):
+        want += [("send", 0, GetBatch(t)), ("train", [t])]
+        if t in paused_sync:
+            want += [("pause",), ("weights", t), *paused_sync[t], ("continue", t) if t < 5 else ("stop",)]
+        else:
+            want.append(("log", t))
+    assert events == want + [("hf", 5)]
+    running = False  # the producer: started by continue_produce, stopped by a pause or stop
+    for e in events:
+        running = e[0] == "continue" or (running and e[0] not in ("pause", "stop"))
+        assert not (running and e[0] in ("weights", "eval", "save")), events
 
 
 def test_every_message_kind_pickles_and_names_its_reply():
@@ -320,12 +369,27 @@ def ledger(work: Path) -> list[dict]:
     return [json.loads(x) for x in (work / LEDGER).read_text().splitlines()]
 
 
+@pytest.fixture(scope="module")
+def mode_run(repo, tmp_path_factory):
+    """Each mode's five-step run, made once per module (the lock-step run serves two tests)."""
+    done: dict[str, Path] = {}
+
+    def get(mode: str) -> Path:
+        if mode not in done:
+            overrides, _, ranks = MODES[mode]
+            work = tmp_path_factory.mktemp(mode) / "run"
+            r = run(train_args(repo, work, ranks, 5, *overrides))
+            assert r.returncode == 0, r.stderr[-4000:]
+            done[mode] = work
+        return done[mode]
+
+    return get
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-def test_each_mode_runs_five_steps_within_its_staleness_bound(repo, tmp_path, mode):
+def test_each_mode_runs_five_steps_within_its_staleness_bound(mode_run, mode):
     overrides, threshold, ranks = MODES[mode]
-    work = tmp_path / mode
-    r = run(train_args(repo, work, ranks, 5, *overrides))
-    assert r.returncode == 0, r.stderr[-4000:]
+    work = mode_run(mode)
     steps = rows(work)
     assert [x["step"] for x in steps] == [1, 2, 3, 4, 5]
     interval = 2 if "trainer.sync_weights_interval=2" in overrides else 1
@@ -337,8 +401,13 @@ def test_each_mode_runs_five_steps_within_its_staleness_bound(repo, tmp_path, mo
         for key in ("timing/wait_for_batch_s", "timing/rollout_idle_s", "timing/train_s", "timing/step_s",
                     "reward/mean", "train/loss", "rollout/staleness_mean"):
             assert key in x, key
+        # throughput: trained tokens per second of the train phase; generated tokens per second of
+        # generating (rollout ranks, summed; sampled every 10 ms, so a short step may read 0)
+        assert x["throughput/train_tokens_per_s"] == pytest.approx(x["train/tokens"] / x["timing/train_s"])
+        assert x["throughput/rollout_tokens_per_s"] >= 0
         if x["step"] % interval == 0 or x["step"] == 5:  # a sync step
             assert x["sync/synced"] == 1 and x["sync/bytes"] > 0 and x["sync/weights_s"] > 0
+    assert sum(x["throughput/rollout_tokens_per_s"] for x in steps) > 0
     if threshold == 1:
         assert all(x["rollout/staleness_max"] == 0 for x in steps)  # on-policy: every sample from policy t-1
     assert "eval/accuracy" in steps[-1]
@@ -346,6 +415,44 @@ def test_each_mode_runs_five_steps_within_its_staleness_bound(repo, tmp_path, mo
     assert [row["step"] for row in ledger(work)] == [1, 2, 3, 4, 5]
     assert len(trained) == len(set(trained)) == 100
     assert (work / "hf" / "step-5" / "config.json").exists()
+
+
+def _timed(key: str) -> bool:
+    """Metrics that measure wall time (or derive from it): they differ between any two runs."""
+    return key == "time" or key.endswith("_s") or "time_p" in key or key.startswith("throughput/")
+
+
+def test_lockstep_reproduces_the_colocated_run(repo, mode_run, tmp_path):
+    """docs/disaggregated.md: on-policy lock-step is the colocated strict on-policy run on separate
+    ranks. Same data, policy versions and seeds: every metric that is not a wall time, every dumped
+    rollout and eval sample, and the final weights are identical. The colocated run also derives its
+    5 steps from trainer.total_epochs (behaviour 38: 100 prompts // 20 per step × 1 epoch) and
+    reports its throughput, to metrics.jsonl and TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    dis, col = mode_run("on_policy_lockstep"), tmp_path / "colocated"
+    res = CliRunner().invoke(cli, [
+        "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(col), "--quiet",
+        "trainer.total_train_steps=null", "trainer.total_epochs=1", "trainer.train_batch_size=20",
+        "eval.evaluator.sample_num=20", "trainer.enable_initial_evaluate=false", "trainer.checkpoint_interval=-1",
+        "trainer.evaluate_step=5", "trainer.exp_tracker=[{name: jsonl}, {name: tensorboard}]"])
+    assert res.exit_code == 0, res.output
+    a, b = rows(dis), rows(col)
+    assert [x["step"] for x in b] == [x["step"] for x in a] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        assert set(y) <= set(x), set(y) - set(x)  # the disaggregated row adds its sync/ and wait metrics
+        # step 1's sync/bytes: the disaggregated row also counts the start-up push (colocated: before step 1)
+        differ = {k: (x[k], y[k]) for k in y if not _timed(k) and x[k] != y[k]
+                  and not (k == "sync/bytes" and y["step"] == 1 and x[k] == 2 * y[k])}
+        assert not differ, (y["step"], differ)
+        assert y["throughput/rollout_tokens_per_s"] == pytest.approx(y["rollout/tokens"] / y["timing/rollout_s"])
+        assert y["throughput/train_tokens_per_s"] == pytest.approx(y["train/tokens"] / y["timing/train_s"])
+    for name in [f"rollouts/step-{t}.jsonl" for t in range(1, 6)] + ["eval/step-5.jsonl", "hf/step-5/model.safetensors"]:
+        assert (dis / name).read_bytes() == (col / name).read_bytes(), name
+    events = EventAccumulator(str(col / "tensorboard")).Reload()
+    tb = events.Scalars("throughput/train_tokens_per_s")
+    assert [e.step for e in tb] == [1, 2, 3, 4, 5]
+    assert [e.value for e in tb] == pytest.approx([y["throughput/train_tokens_per_s"] for y in b], rel=1e-6)
 
 
 def _group_ids(manager_state: dict) -> list[tuple[str, int]]:

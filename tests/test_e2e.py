@@ -176,6 +176,54 @@ def test_a_closed_runner_frees_its_trainer(repo, tmp_path):
     assert worker() is None
 
 
+def test_throughput_of_several_ranks():
+    """Each rank's generation rate adds up to the job's; the training rate is the step's trained tokens
+    (already global) over the train phase; a row without training gets none."""
+    from rlcli.runner.ranks import merge_metrics
+    from rlcli.runner.records import ROLLOUT_TOKENS_PER_S, TRAIN_TOKENS_PER_S, add_train_throughput, per_second
+
+    ranks = [{"rollout/tokens": 100.0, "timing/rollout_s": 2.0, "rollout/samples": 4.0, "train/tokens": 300.0,
+              "timing/train_s": 1.0},
+             {"rollout/tokens": 60.0, "timing/rollout_s": 1.0, "rollout/samples": 4.0, "train/tokens": 300.0,
+              "timing/train_s": 3.0}]
+    for r in ranks:
+        r[ROLLOUT_TOKENS_PER_S] = per_second(r["rollout/tokens"], r["timing/rollout_s"])
+    row = merge_metrics(ranks)
+    add_train_throughput(row)
+    assert row[ROLLOUT_TOKENS_PER_S] == 50.0 + 60.0 and row[TRAIN_TOKENS_PER_S] == 300.0 / 2.0
+    eval_only = {"eval/accuracy": 1.0}
+    add_train_throughput(eval_only)
+    assert eval_only == {"eval/accuracy": 1.0} and per_second(5.0, 0.0) == 0.0
+
+
+def test_a_rollout_without_a_trainable_group_aborts_the_step_before_training(repo, tmp_path):
+    """Behaviour 63: an empty rollout result ends the run at that step, before the backend is put
+    to sleep or the trainer runs; the step counter and the logged rows stay where they were."""
+    def short(raw):
+        raw["trainer"].update(total_train_steps=2, enable_evaluate=False)
+
+    rec = validate_recipe(_short(repo, tmp_path / "w", short), base_dir=repo / "recipes")
+    runner = ColocateRunner(rec, quiet=True)
+    calls = []
+    strategy = runner.manager.tasks[0].strategy
+    produce = strategy.produce_batch
+    runner.backend.sleep = lambda *a, f=runner.backend.sleep: calls.append("sleep") or f(*a)
+    runner.worker.train_step = lambda seqs, f=runner.worker.train_step: calls.append("train") or f(seqs)
+
+    async def nothing_at_step_2(task, ctx):  # step 1 as usual; step 2 leaves no group
+        if ctx.train_step == 1:
+            await produce(task, ctx)
+
+    strategy.produce_batch = nothing_at_step_2
+    try:
+        with pytest.raises(RuntimeError, match="rollout produced no trainable group"):
+            runner.fit()
+        assert runner.step == 1 and calls == ["sleep", "train"]  # step 1 only
+    finally:
+        runner.close()
+    assert [x["step"] for x in rows(tmp_path / "w")] == [1]
+
+
 @pytest.mark.parametrize("live", [True, False])
 def test_weight_sync_gives_the_engine_the_trainers_weights(repo, tmp_path, monkeypatch, live):
     """After each step the engine holds exactly the trainer's weights, whether the trainer lends

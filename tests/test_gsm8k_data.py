@@ -13,7 +13,7 @@ from rlcli.data.gsm8k import DATA_SOURCE, DEFAULT_INSTRUCTION, convert_gsm8k, co
 from rlcli.judgers.gsm8k import GSM8KJudger
 from rlcli.types import Sample, Status
 
-RAW = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+RAW = Path(__file__).resolve().parent / "data" / "gsm8k"  # 42 rows of the test split (MIT, OpenAI; README.md there)
 
 
 def write_lines(path: Path, lines: list) -> Path:
@@ -131,16 +131,15 @@ def test_helpers():
     assert convert_record(GOOD, 5)["extra_info"]["index"] == 5
 
 
-def test_real_gsm8k_test_split_round_trips_through_the_judger(tmp_path):
+def test_real_gsm8k_rows_round_trip_through_the_judger(tmp_path):
     raw = RAW / "test.jsonl"
-    if not raw.exists():
-        pytest.skip("shared GSM8K data not available")
     out = tmp_path / "gsm8k_test.jsonl"
     result = convert_gsm8k(raw, out)
     n_lines = sum(1 for line in raw.read_text(encoding="utf-8").splitlines() if line.strip())
-    assert (result.written, result.skipped) == (n_lines, []) and n_lines == 1319
+    assert (result.written, result.skipped) == (n_lines, []) and n_lines == 42
     rows = read_jsonl(out)
     assert rows[0]["reward_model"]["ground_truth"] == "18"
+    assert [r["reward_model"]["ground_truth"] for r in rows[-2:]] == ["2125", "114200"]  # separators dropped
     assert all(r["data_source"] == DATA_SOURCE for r in rows)
     # the reference solution of every problem is judged correct against the converted label
     judger = GSM8KJudger(GSM8KJudger.Config(search_last_chars=0))

@@ -188,5 +188,10 @@ def test_total_train_steps_from_steps_or_epochs(repo, raw, monkeypatch):
     from rlcli.tokenizer import load_tokenizer
 
     assert steps_of(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 100 // 30 * 3
+    raw["trainer"].update(total_epochs=2, train_batch_size=32)  # behaviour 38: 100 prompts -> 6 steps
+    assert steps_of(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 6
+    raw["trainer"]["total_train_steps"] = 4  # total_train_steps wins over total_epochs
+    assert steps_of(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 4
+    raw["trainer"]["total_train_steps"] = None
     raw["trainer"].update(train_batch_size=1000, total_epochs=1)
     assert steps_of(validate_recipe(raw, source=src), load_tokenizer("builtin:digits")) == 1  # at least 1

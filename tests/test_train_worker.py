@@ -318,6 +318,28 @@ def test_no_valid_tokens_is_a_no_op(model_dir):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_batch_without_a_trainable_sequence_changes_nothing(model_dir):
+    # the empty-batch case: groups whose members failed or have no response give no training
+    # sequence; the step then moves no weight, reports finite zeros and still advances the LR schedule
+    from rlcli.algo.advantage import GRPOAdvantage
+    from rlcli.runner.sequences import sequences_from_groups
+    from rlcli.types import Group, Sample, Status
+
+    failed = Sample(uid=0, group_id=0, task_name="t", prompt_ids=[5, 6], response_ids=[7], logprobs=[-1.0],
+                    status=Status.FAILED)
+    empty = Sample(uid=1, group_id=1, task_name="t", prompt_ids=[5, 6], status=Status.COMPLETED, reward={"score": 1.0})
+    seqs, adv = sequences_from_groups([Group(0, "t", [failed]), Group(1, "t", [empty])], GRPOAdvantage())
+    assert seqs == [] and adv == []
+    w = make_worker(model_dir)
+    before = state(w)
+    m = w.train_step(seqs)
+    assert m["train/tokens"] == m["train/sequences"] == m["train/loss"] == m["train/grad_norm"] == 0.0
+    assert all(math.isfinite(v) for v in m.values()) and m["train/skipped_steps"] == 0
+    assert w.scheduler.last_epoch == 1
+    after = state(w)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_too_long_sequence_is_rejected(model_dir):
     w = make_worker(model_dir, pack_max_length=4)
     with pytest.raises(ValueError, match="pack_max_length=4"):

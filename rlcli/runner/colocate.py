@@ -24,8 +24,8 @@ from rlcli.fsutil import write_jsonl
 from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.records import (
-    Timer, best_and_worst, build_trackers, dump_rollout_groups, log_to_trackers, mean, prune_step_dirs, sample_row,
-    step_summary, write_skipped_rows,
+    ROLLOUT_TOKENS_PER_S, Timer, add_train_throughput, best_and_worst, build_trackers, dump_rollout_groups,
+    log_to_trackers, mean, per_second, prune_step_dirs, sample_row, step_summary, write_skipped_rows,
 )
 from rlcli.runner.schedule import Schedule, share, total_train_steps
 from rlcli.runner.sequences import sequences_from_groups
@@ -245,10 +245,13 @@ class ColocateRunner:
         metrics = {**metrics, **timing}
         if timing["timing/sync_s"] > 0:
             metrics["sync/bytes"] = float(self.sync_bytes)
+        if "rollout/tokens" in metrics:  # this rank's rate; merge_metrics sums the ranks'
+            metrics[ROLLOUT_TOKENS_PER_S] = per_second(metrics["rollout/tokens"], timing["timing/rollout_s"])
         gathered = gather_to_main(metrics)
         if not self.main:
             return metrics
         metrics = {**merge_metrics(gathered), "time": time.time()}
+        add_train_throughput(metrics)
         log_to_trackers(self.trackers, step, metrics, groups, self.cfg.log_samples_per_step)
         if step % self.cfg.log_every == 0 and not self.quiet:
             tqdm.write(f"step {step}/{self.schedule.total_steps} {self.summary(metrics)}")

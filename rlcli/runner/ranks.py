@@ -1,10 +1,11 @@
 """Helpers for runs on several ranks: gather Python objects to rank 0 and merge per-rank metrics.
 
 Each rank rolls out its own share of the batch, so rollout metrics are merged on rank 0:
-counters (tokens, samples, groups, judge calls, errors, ...) are summed, ``*max`` keys take
-the maximum, ``*min`` keys the minimum, and everything else (means, ratios, timings) is
-averaged over ranks weighted by each rank's number of trained samples. Training metrics
-(``train/*``) are already reduced across ranks by the trainer and are taken from rank 0.
+counters (tokens, samples, groups, judge calls, errors, ...) and the ``throughput/*`` rates are
+summed, ``*max`` keys take the maximum, ``*min`` keys the minimum, and everything else (means,
+ratios, timings) is averaged over ranks weighted by each rank's number of trained samples.
+Training metrics (``train/*``) are already reduced across ranks by the trainer and are taken from
+rank 0.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch.distributed as dist
 
 from rlcli.dist import rank, world_size
 
-_SUM_PREFIXES = ("judger/", "data/")
+_SUM_PREFIXES = ("judger/", "data/", "throughput/")  # throughput: per-rank rates add up to the job's
 _SUM_WORDS = ("tokens", "samples", "groups", "calls", "errors", "timeouts", "aborted", "failed", "filtered",
               "expired", "resumed", "dropped", "skipped", "bytes")
 

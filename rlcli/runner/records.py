@@ -42,6 +42,24 @@ class Timer:
         return out
 
 
+# Throughput of a step, for both runners: tokens generated per second of generating them (per
+# rollout rank, summed over the ranks) and trained tokens (``train/tokens``) per second of the
+# train phase (``timing/train_s``).
+ROLLOUT_TOKENS_PER_S = "throughput/rollout_tokens_per_s"
+TRAIN_TOKENS_PER_S = "throughput/train_tokens_per_s"
+
+
+def per_second(amount: float, seconds: float) -> float:
+    """``amount / seconds``; 0 when nothing was timed."""
+    return amount / seconds if seconds > 0 else 0.0
+
+
+def add_train_throughput(row: dict[str, float]) -> None:
+    """``throughput/train_tokens_per_s`` of a step's merged row (rows without training: none)."""
+    if "train/tokens" in row:
+        row[TRAIN_TOKENS_PER_S] = per_second(row["train/tokens"], row.get("timing/train_s", 0.0))
+
+
 def build_trackers(trackers: list[ComponentSpec], work_dir: Path, registry=None) -> list:
     """The experiment trackers ``trainer.exp_tracker`` lists, plus ``jsonl`` (metrics.jsonl) when it is
     not listed, that one from ``registry`` (the recipe's; default: the global registry)."""

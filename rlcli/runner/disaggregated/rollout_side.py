@@ -18,7 +18,7 @@ from rlcli.runner.disaggregated.protocol import (
     SyncWeights, _report,
 )
 from rlcli.runner.evaluation import Evaluator
-from rlcli.runner.records import write_skipped_rows
+from rlcli.runner.records import ROLLOUT_TOKENS_PER_S, per_second, write_skipped_rows
 from rlcli.runner.schedule import share
 from rlcli.runner.setup import build_tasks
 from rlcli.runner.transport import RemoteFailure, receive_weights, recv, send
@@ -63,7 +63,7 @@ class RolloutSide:
                           if self.cfg.enable_evaluate else None)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="rlcli-rollout-loop", daemon=True)
-        self._idle_s = 0.0
+        self._idle_s = self._busy_s = 0.0
         self._evaluating = False
         self._stash: dict[str, float] = {}  # metrics of an empty EXPIRED answer, added to the next batch's
         resumed = boot.checkpoint is not None
@@ -94,13 +94,17 @@ class RolloutSide:
         self._watcher = asyncio.ensure_future(self._watch_idle())
 
     async def _watch_idle(self) -> None:
-        """Time with no training rollout in flight and no evaluation: ``timing/rollout_idle_s``."""
+        """Time with no training rollout in flight and no evaluation (``timing/rollout_idle_s``), and
+        time with training rollouts in flight (the denominator of ``throughput/rollout_tokens_per_s``)."""
         last = time.perf_counter()
         while True:
             await asyncio.sleep(0.01)
             now = time.perf_counter()
-            if not self._evaluating and self.manager.pending == 0:
-                self._idle_s += now - last
+            if not self._evaluating:
+                if self.manager.pending == 0:
+                    self._idle_s += now - last
+                else:
+                    self._busy_s += now - last
             last = now
 
     # --------------------------------------------------------------------------- serving
@@ -144,7 +148,10 @@ class RolloutSide:
             return BatchReply([], res.status, {})
         self._stash = {}
         idle, self._idle_s = self._idle_s, 0.0
+        busy, self._busy_s = self._busy_s, 0.0
         metrics["timing/rollout_idle_s"] = idle
+        # this rank's rate since its previous batch; the train side's merge_metrics sums the ranks'
+        metrics[ROLLOUT_TOKENS_PER_S] = per_second(metrics.get("rollout/tokens", 0.0), busy)
         metrics["rollout/producer_lead_steps"] = float(self.manager.producer_future_step - step - 1)
         return BatchReply(res.groups, res.status, metrics)
 

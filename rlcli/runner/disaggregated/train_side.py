@@ -25,7 +25,8 @@ from rlcli.runner.disaggregated.protocol import (
 from rlcli.runner.evaluation import eval_metrics
 from rlcli.runner.ranks import merge_metrics
 from rlcli.runner.records import (
-    Timer, build_trackers, dump_rollout_groups, log_to_trackers, mean, prune_step_dirs, sample_row, step_summary,
+    Timer, add_train_throughput, build_trackers, dump_rollout_groups, log_to_trackers, mean, prune_step_dirs,
+    sample_row, step_summary,
 )
 from rlcli.runner.schedule import Schedule, total_train_steps
 from rlcli.runner.sequences import sequences_from_groups
@@ -259,6 +260,7 @@ class TrainSide:
         if self.sync_weights_s > 0:
             row["sync/weights_s"], row["sync/bytes"] = self.sync_weights_s, float(self.sync_bytes)
             self.sync_weights_s, self.sync_bytes = 0.0, 0
+        add_train_throughput(row)
         row["time"] = time.time()
         log_to_trackers(self.trackers, step, row, groups, self.cfg.log_samples_per_step)
         if step % self.cfg.log_every == 0 and not self.quiet:
