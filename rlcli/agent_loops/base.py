@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 from typing import Any, ClassVar
 
 from pydantic import Field
 
+from rlcli import debug_enabled
 from rlcli.backends.base import InferenceBackend
 from rlcli.component import Component, ComponentConfig
 from rlcli.tokenizer import DecodeBatcher
@@ -27,11 +27,6 @@ ERRORS_METRIC = "agent_loop/errors"
 """Samples FAILED because their agent loop raised (per step; ``eval/agent_loop/errors`` in evaluation)."""
 
 _MAX_ERROR_CHARS = 2000
-
-
-def debug_enabled() -> bool:
-    """``RLCLI_DEBUG`` is set (``rlcli --debug`` sets it): print full tracebacks on the console."""
-    return os.environ.get("RLCLI_DEBUG", "") not in ("", "0")
 
 
 def request_seed(run_seed: int, sample: Sample, salt: str = "", start: int = 0) -> int:
