@@ -88,6 +88,17 @@ def _short(repo, work, *overrides):
     return raw
 
 
+def _fit(repo, raw, plugin) -> list[dict]:
+    """Train ``raw`` (a recipe dict) in this process with ``plugin`` registered; its metrics rows."""
+    rec = validate_recipe(raw, registry=registry_with(plugin), base_dir=repo / "recipes")
+    runner = ColocateRunner(rec, quiet=True)
+    try:
+        runner.fit()
+    finally:
+        runner.close()
+    return rows(runner.work_dir)
+
+
 def test_math_verify_recipe_runs_two_steps(repo, tmp_path):
     pytest.importorskip("rlcli_math_verify", reason="pip install ./plugins/rlcli-math-verify")
     work = tmp_path / "mv"
@@ -128,14 +139,7 @@ def test_judger_errors_and_hangs_fail_samples_not_the_run(repo, tmp_path):
     def judger(raw):
         raw["tasks"][0]["judger"] = {"name": "flaky", "executor": "thread", "timeout_s": 0.2}
 
-    raw = _short(repo, tmp_path / "flaky", judger)
-    rec = validate_recipe(raw, registry=registry_with(FlakyPlugin()), base_dir=repo / "recipes")
-    runner = ColocateRunner(rec, quiet=True)
-    try:
-        runner.fit()
-    finally:
-        runner.close()
-    r = rows(tmp_path / "flaky")
+    r = _fit(repo, _short(repo, tmp_path / "flaky", judger), FlakyPlugin())
     assert [x["step"] for x in r] == [0, 1, 2, 3]
     assert all(x["judger/errors"] > 0 and x["judger/timeouts"] > 0 for x in r[1:])
     assert all(x["rollout/failed_samples"] == x["judger/errors"] + x["judger/timeouts"] for x in r[1:])
@@ -164,14 +168,7 @@ def test_agent_loop_errors_fail_samples_not_the_run(repo, tmp_path):
         for t in (raw["tasks"][0], raw["eval"]["tasks"][0]):
             t["agent_loop"] = {**t.get("agent_loop", {}), "name": "raising"}
 
-    raw = _short(repo, tmp_path / "raising", loop)
-    rec = validate_recipe(raw, registry=registry_with(RaisingPlugin()), base_dir=repo / "recipes")
-    runner = ColocateRunner(rec, quiet=True)
-    try:
-        runner.fit()
-    finally:
-        runner.close()
-    r = rows(tmp_path / "raising")
+    r = _fit(repo, _short(repo, tmp_path / "raising", loop), RaisingPlugin())
     assert [x["step"] for x in r] == [0, 1, 2]
     for x in r[1:]:  # 40 samples a step, uids 0..39 of the groups drawn: 4 raise
         assert x["agent_loop/errors"] == x["rollout/failed_samples"] > 0 and x["judger/errors"] == 0
