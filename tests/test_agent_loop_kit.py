@@ -56,7 +56,8 @@ class TwoTurn(AgentLoop):
         if sample.status == Status.COMPLETED:
             return sample
         p = self.config.sample_params
-        sample.temperature = p.temperature if p.temperature > 0 else 1.0
+        if self.bug != "temperature":
+            sample.temperature = p.temperature if p.temperature > 0 else 1.0
         sep = self.tokenizer.encode("=", add_special_tokens=False)
         reason = None
         while reason is None:
@@ -104,7 +105,8 @@ def test_kit_passes_on_a_correct_two_turn_loop():
 
 @pytest.mark.parametrize("bug, check, message", [
     ("response", "response_set", "sample.response is empty in every COMPLETED sample"),
-    ("logprobs", "tokens_aligned", "logprob"),
+    ("logprobs", "tokens_aligned", "model token 1: logprob"),
+    ("temperature", "tokens_aligned", "sample.temperature is 1.0 but the loop sampled at 0.7"),
     ("mask", "inserted_tokens_masked", "the tokens with response_mask 1 are not the backend's tokens"),
     ("budget", "budget_respected", r"max_tokens=\d+, EOS chance"),
     ("seed", "pause_and_continue", "response_ids differs from the run never paused"),

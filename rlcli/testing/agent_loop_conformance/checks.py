@@ -20,6 +20,7 @@ LoopFactory = Callable[..., AgentLoop]
 ``tokenizer``, ``eos_token_ids``, ``seed``, ``salt``)."""
 
 DEFAULT_PROMPTS = ("12+7=", "3*4-5=", "what is 9-2?")
+FIRST_VERSION = 3  # the policy version of check_tokens_aligned's first request (then one more per request)
 
 
 @dataclass
@@ -181,8 +182,9 @@ def check_tokens_aligned(make_loop: LoopFactory, **options: Any) -> None:
     token; the model tokens carry the backend's logprobs and versions (the backend changes its
     version after every request here); inserted tokens have finite logprobs and versions within
     those served; each request's context is the prompt and the response before its tokens; and
-    ``sample.temperature`` is the requests' sampling temperature."""
-    kit = make_kit(**options)
+    ``sample.temperature`` is the requests' sampling temperature (0.7 unless ``temperature`` is given,
+    so that a loop that leaves the default 1.0 is caught)."""
+    kit = make_kit(**{"temperature": 0.7, **options})
 
     def check(s: Sample, backend: ScriptedBackend) -> None:
         n = len(s.response_ids)
@@ -198,7 +200,7 @@ def check_tokens_aligned(make_loop: LoopFactory, **options: Any) -> None:
         assert got_lps == lps, f"model token {at}: logprob {got_lps[at]} but the backend returned {lps[at]}"
         at = _first_difference(got_vers, vers)
         assert got_vers == vers, f"model token {at}: version {got_vers[at]} but the backend stamped {vers[at]}"
-        lo, hi = 3, backend.version
+        lo, hi = FIRST_VERSION, backend.version
         for i, m in enumerate(s.response_mask):
             if not m:
                 assert math.isfinite(s.logprobs[i]), f"inserted token {i} has logprob {s.logprobs[i]}"
@@ -220,7 +222,7 @@ def check_tokens_aligned(make_loop: LoopFactory, **options: Any) -> None:
                 f"logprobs at sample.temperature (1.0 for greedy)")
 
     try:
-        _check_each_prompt(make_loop, kit, check, version=3, version_step=1)
+        _check_each_prompt(make_loop, kit, check, version=FIRST_VERSION, version_step=1)
     finally:
         kit.close()
 
