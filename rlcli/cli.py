@@ -125,7 +125,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
         _fail(f"training failed: {exc}", 1)
     if not quiet:
         shown = {k: round(v, 4) for k, v in final.items()
-                 if (k.startswith("eval/") and "judger/" not in k) or k == "reward/mean"}
+                 if (k.startswith("eval/") and "judger/" not in k and "agent_loop/" not in k) or k == "reward/mean"}
         click.echo(f"done: {path} {json.dumps(shown)}")
 
 
