@@ -197,7 +197,8 @@ ALL_CHECKS: dict[str, Callable[..., None]] = {
 """Every check by short name (what ``run_all``'s ``skip`` refers to)."""
 
 
-def run_all(judger: Any, cases: Iterable[Case], *, skip: Iterable[str] = (), timeout_s: float | None = None) -> list[str]:
+def run_all(judger: Any, cases: Iterable[Case], *, skip: Iterable[str] = (),
+            timeout_s: float | None = None) -> list[str]:
     """Run every check but those named in ``skip``; ``timeout_s`` replaces the judger's own. Returns
     the names run; the first failure raises ``AssertionError`` prefixed with the check's name."""
     cases = list(cases)
