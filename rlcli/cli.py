@@ -15,12 +15,15 @@ Overrides are dotted paths with YAML values (``trainer.seed=3``, ``tasks.0.judge
 from __future__ import annotations
 
 import json
+import os
 import sys
+import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
-from rlcli import __version__
+from rlcli import DEBUG_ENV, __version__, debug_enabled
 
 EXIT_RECIPE_ERROR = 2
 
@@ -32,11 +35,18 @@ def _load(recipe: str, overrides: tuple[str, ...]):
     try:
         return load_recipe(recipe, overrides)
     except RecipeError as exc:
-        click.secho(str(exc), fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(str(exc), EXIT_RECIPE_ERROR)
     except PluginError as exc:
-        click.secho(f"plugin error: {exc}", fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(f"plugin error: {exc}", EXIT_RECIPE_ERROR)
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    """Print ``message`` (red, stderr) and exit with ``code``; with ``--debug`` (``RLCLI_DEBUG=1``) the
+    traceback of the exception being handled comes first."""
+    if debug_enabled() and sys.exc_info()[1] is not None:
+        traceback.print_exc()
+    click.secho(message, fg="red", err=True)
+    sys.exit(code)
 
 
 def _builtin_recipes_dir() -> Path:
@@ -49,8 +59,12 @@ def _builtin_recipes_dir() -> Path:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="rlcli")
-def cli() -> None:
+@click.option("--debug", is_flag=True,
+              help=f"Full tracebacks where rlcli prints one-line errors (same as {DEBUG_ENV}=1; ranks inherit it).")
+def cli(debug: bool) -> None:
     """Reinforcement learning for language models (GRPO and family) from one YAML recipe."""
+    if debug:
+        os.environ[DEBUG_ENV] = "1"
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
@@ -100,19 +114,18 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
                 return
             path, final = main_result
     except (WorkDirError, *path_errors) as exc:
-        click.secho(str(exc), fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
-    except RankFailed as exc:
+        _fail(str(exc), EXIT_RECIPE_ERROR)
+    except RankFailed as exc:  # its message holds the ranks' tracebacks
         named = [m.split(": ", 1)[1] for m in exc.errors.values()
                  if m.split(": ", 1)[0] in {e.__name__ for e in path_errors}]
-        click.secho("\n".join(named) if named else f"training failed: {exc}", fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR if named else 1)
+        if named and debug_enabled():
+            click.echo(str(exc), err=True)
+        _fail("\n".join(named) if named else f"training failed: {exc}", EXIT_RECIPE_ERROR if named else 1)
     except ValueError as exc:
-        click.secho(f"training failed: {exc}", fg="red", err=True)
-        sys.exit(1)
+        _fail(f"training failed: {exc}", 1)
     if not quiet:
         shown = {k: round(v, 4) for k, v in final.items()
-                 if (k.startswith("eval/") and "judger/" not in k) or k == "reward/mean"}
+                 if (k.startswith("eval/") and "judger/" not in k and "agent_loop/" not in k) or k == "reward/mean"}
         click.echo(f"done: {path} {json.dumps(shown)}")
 
 
@@ -131,16 +144,14 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     """
     rec = _load(recipe, overrides)
     if rec.eval is None or not rec.eval.tasks:
-        click.secho(f"{recipe}: the recipe has no eval.tasks to evaluate", fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(f"{recipe}: the recipe has no eval.tasks to evaluate", EXIT_RECIPE_ERROR)
     from rlcli.runner.evaluate import run_eval
     from rlcli.runner.workdir import WorkDirError
 
     try:
         metrics, out = run_eval(rec, checkpoint, out_dir)
     except (WorkDirError, *_path_errors()) as exc:
-        click.secho(str(exc), fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(str(exc), EXIT_RECIPE_ERROR)
     for k, v in sorted(metrics.items()):
         click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
@@ -163,8 +174,7 @@ def _check_launch(recipe: str, rec, world_size: int) -> None:
 
     issues = check_launch(rec, world_size)
     if issues:
-        click.secho(str(RecipeError(issues, recipe)), fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(str(RecipeError(issues, recipe)), EXIT_RECIPE_ERROR)
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
@@ -241,8 +251,7 @@ def data_gsm8k(in_path: str, out_path: str) -> None:
     try:
         written, skipped = convert_gsm8k(in_path, out_path)
     except OSError as exc:
-        click.secho(f"cannot convert {in_path} to {out_path}: {exc.strerror or exc}", fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(f"cannot convert {in_path} to {out_path}: {exc.strerror or exc}", EXIT_RECIPE_ERROR)
     click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} malformed rows" if skipped else ""))
     for msg in skipped:  # every one, located
         click.secho(f"  {msg}", fg="yellow", err=True)
@@ -302,11 +311,9 @@ def report(work_dirs: tuple[str, ...], out: str | None) -> None:
     try:
         path = write_report([Path(w) for w in work_dirs], Path(out) if out else None)
     except ReportError as exc:
-        click.secho(str(exc), fg="red", err=True)
-        sys.exit(EXIT_RECIPE_ERROR)
+        _fail(str(exc), EXIT_RECIPE_ERROR)
     except OSError as exc:
-        click.secho(f"cannot write the report: {exc}", fg="red", err=True)
-        sys.exit(1)
+        _fail(f"cannot write the report: {exc}", 1)
     click.echo(f"wrote {path}")
 
 

@@ -33,7 +33,8 @@ class ComponentKind:
 
 
 COMPONENT_KINDS: tuple[ComponentKind, ...] = (
-    ComponentKind("agent_loop", "register_agent_loops", "rlcli.agent_loops.AgentLoop", "rlcli.agent_loops",
+    ComponentKind("agent_loop", "register_agent_loops", "rlcli.agent_loops.base.AgentLoop",
+                  "rlcli.agent_loops",
                   "Agent loops: turn a group of prompts into judged responses (single turn, tool use, ...)."),
     ComponentKind("judger", "register_judgers", "rlcli.judgers.base.Judger", "rlcli.judgers",
                   'Judgers: score one response against its label, returning ``{"score": float, ...}``.'),

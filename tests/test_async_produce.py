@@ -696,8 +696,9 @@ def test_broken_agent_loop_fails_samples_not_the_run():
     res = run(window(m, backend, 4, 1))
     assert len(res.groups) == 4 and res.metrics["rollout/failed_groups"] >= 1
     assert res.metrics["rollout/failed_samples"] == 2 * res.metrics["rollout/failed_groups"]
+    assert res.metrics["agent_loop/errors"] == res.metrics["rollout/failed_samples"]
     task.agent_loop.run_group = lambda samples: (_ for _ in ()).throw(KeyError("always"))
-    with pytest.raises(RuntimeError, match="3 groups in a row failed completely.*agent loop raised KeyError"):
+    with pytest.raises(RuntimeError, match="3 groups in a row failed completely.*agent loop 'single_turn' raised Key"):
         run(window(m, backend, 4, 2))
     assert task.strategy.pending == 0
 

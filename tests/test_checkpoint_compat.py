@@ -35,7 +35,7 @@ STEP, TOTAL = 4, 8
 VOLATILE = ("timing/", "throughput/", "judger/time_s", "train/step_time_s", "rollout/group_time", "engine/busy_s")
 TOL = {"rel": 1e-5, "abs": 1e-7}
 # Metric names added since 4fc714f, each listed here (a renamed or dropped one still fails)
-ADDED_METRICS = {"rollout/loss_excluded_samples"}
+ADDED_METRICS = {"rollout/loss_excluded_samples", "agent_loop/errors", "eval/agent_loop/errors"}
 
 
 def stable(row: dict) -> dict:
@@ -120,6 +120,8 @@ def test_old_checkpoint_resumes_to_the_recorded_run(tmp_path):
     assert [g["step"] for g in got] == [w["step"] for w in want] == list(range(STEP + 1, TOTAL + 1))
     for g, w in zip(got, want):
         assert_rows_match(g, w)
+    logged = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["agent_loop/errors"] == 0 for r in logged)
     assert_weights_match(load_file(str(work / "hf" / f"step-{TOTAL}" / "model.safetensors")), f"step-{TOTAL}")
 
 

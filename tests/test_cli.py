@@ -103,6 +103,18 @@ def test_data_gsm8k(runner, tmp_path):
     assert row["reward_model"]["ground_truth"] == "5" and row["data_source"] == "openai/gsm8k"
 
 
+@pytest.mark.parametrize("how", ["plain", "--debug", "RLCLI_DEBUG=1"])
+def test_debug_prints_the_traceback_behind_a_one_line_error(runner, tmp_path, monkeypatch, how):
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"question": "2+3?", "answer": "#### 5"}) + "\n")
+    monkeypatch.setenv("RLCLI_DEBUG", "1" if how == "RLCLI_DEBUG=1" else "0")  # restored after the test
+    args = ["--debug"] * (how == "--debug") + ["data", "gsm8k", str(raw), str(raw / "out.jsonl")]  # under a file
+    out = runner.invoke(cli, args)
+    assert out.exit_code == 2 and f"cannot convert {raw} to {raw / 'out.jsonl'}" in out.output
+    assert ("Traceback (most recent call last)" in out.output) == (how != "plain")
+    assert ("in convert_gsm8k" in out.output) == (how != "plain")  # where it was raised
+
+
 def test_data_arith(runner, tmp_path):
     out = runner.invoke(cli, ["data", "arith", str(tmp_path)])
     assert out.exit_code == 0

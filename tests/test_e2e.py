@@ -8,6 +8,7 @@ import yaml
 from click.testing import CliRunner
 
 from rlcli import hookimpl
+from rlcli.agent_loops import SingleTurnAgentLoop
 from rlcli.cli import cli
 from rlcli.config import validate_recipe
 from rlcli.judgers.base import Judger
@@ -87,6 +88,17 @@ def _short(repo, work, *overrides):
     return raw
 
 
+def _fit(repo, raw, plugin) -> list[dict]:
+    """Train ``raw`` (a recipe dict) in this process with ``plugin`` registered; its metrics rows."""
+    rec = validate_recipe(raw, registry=registry_with(plugin), base_dir=repo / "recipes")
+    runner = ColocateRunner(rec, quiet=True)
+    try:
+        runner.fit()
+    finally:
+        runner.close()
+    return rows(runner.work_dir)
+
+
 def test_math_verify_recipe_runs_two_steps(repo, tmp_path):
     pytest.importorskip("rlcli_math_verify", reason="pip install ./plugins/rlcli-math-verify")
     work = tmp_path / "mv"
@@ -127,17 +139,43 @@ def test_judger_errors_and_hangs_fail_samples_not_the_run(repo, tmp_path):
     def judger(raw):
         raw["tasks"][0]["judger"] = {"name": "flaky", "executor": "thread", "timeout_s": 0.2}
 
-    raw = _short(repo, tmp_path / "flaky", judger)
-    rec = validate_recipe(raw, registry=registry_with(FlakyPlugin()), base_dir=repo / "recipes")
-    runner = ColocateRunner(rec, quiet=True)
-    try:
-        runner.fit()
-    finally:
-        runner.close()
-    r = rows(tmp_path / "flaky")
+    r = _fit(repo, _short(repo, tmp_path / "flaky", judger), FlakyPlugin())
     assert [x["step"] for x in r] == [0, 1, 2, 3]
     assert all(x["judger/errors"] > 0 and x["judger/timeouts"] > 0 for x in r[1:])
     assert all(x["rollout/failed_samples"] == x["judger/errors"] + x["judger/timeouts"] for x in r[1:])
+
+
+class Raising(SingleTurnAgentLoop):
+    """Raises on one sample in ten (training and evaluation)."""
+
+    name = "raising"
+
+    async def run_sample(self, sample):
+        if sample.uid % 10 == 3:
+            raise ValueError(f"raising loop on uid {sample.uid}")
+        return await super().run_sample(sample)
+
+
+class RaisingPlugin:
+    @hookimpl
+    def register_agent_loops(self):
+        return [Raising]
+
+
+def test_agent_loop_errors_fail_samples_not_the_run(repo, tmp_path):
+    def loop(raw):
+        raw["trainer"]["total_train_steps"] = 2
+        for t in (raw["tasks"][0], raw["eval"]["tasks"][0]):
+            t["agent_loop"] = {**t.get("agent_loop", {}), "name": "raising"}
+
+    r = _fit(repo, _short(repo, tmp_path / "raising", loop), RaisingPlugin())
+    assert [x["step"] for x in r] == [0, 1, 2]
+    for x in r[1:]:  # 40 samples a step, uids 0..39 of the groups drawn: 4 raise
+        assert x["agent_loop/errors"] == x["rollout/failed_samples"] > 0 and x["judger/errors"] == 0
+        assert x["rollout/samples"] == 40 - x["agent_loop/errors"]
+    assert all(x["eval/agent_loop/errors"] == 10 for x in r)  # 100 eval prompts, 1 sample each
+    log = (tmp_path / "raising" / "run.log").read_text()
+    assert log.count("Traceback (most recent call last)") >= 10 and "ValueError: raising loop on uid 3" in log
 
 
 def test_fresh_run_refuses_a_used_work_dir(repo, tmp_path):

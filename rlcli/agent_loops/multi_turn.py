@@ -68,7 +68,7 @@ from typing import Annotated, Any, ClassVar, Iterable, Literal, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
-from rlcli.agent_loops import AgentLoop, AgentLoopConfig
+from rlcli.agent_loops.base import AgentLoop, AgentLoopConfig
 from rlcli.backends.base import GenerateRequest, InferenceBackend
 from rlcli.component import ChecksConfig, ComponentConfig
 from rlcli.hookspecs import Kind

@@ -32,12 +32,22 @@ class JudgerConfig(ComponentConfig):
 
 
 class Judger(Component):
-    """Base class of judgers."""
+    """Base class of judgers: score one COMPLETED response (the module docstring has the contract).
+
+    ``judge(response, label, sample)`` returns a float or a dict holding a float ``"score"``, for
+    any response - empty, garbage or huge - within ``score_range()``, the same score for the same
+    input, and within ``config.timeout_s``. :mod:`rlcli.testing.judger_conformance` checks this.
+    """
 
     Config: ClassVar[type[JudgerConfig]] = JudgerConfig
 
     def judge(self, response: str, label: Any, sample: Sample) -> float | dict[str, Any]:
         raise NotImplementedError
+
+    def score_range(self) -> tuple[float, float]:
+        """The lowest and the highest score ``judge`` returns with this config; (0.0, 1.0) unless
+        overridden. ``truncated_score`` is not part of it (the judger is not called then)."""
+        return (0.0, 1.0)
 
 
 def require_label(label: Any, *, allow_blank: bool = True) -> str:

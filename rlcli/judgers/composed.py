@@ -121,6 +121,12 @@ class ComposedJudger(Judger):
     def judge(self, response: str, label: Any, sample: Sample) -> float | dict[str, Any]:
         return self.branch_for(sample.data_source).judge(response, label, sample)
 
+    def score_range(self) -> tuple[float, float]:
+        """From the lowest to the highest score of any branch."""
+        branches = list(self._build().values()) + ([self._default] if self._default is not None else [])
+        ranges = [j.score_range() for j in branches]
+        return (min(lo for lo, _ in ranges), max(hi for _, hi in ranges))
+
     # ------------------------------------------------------------------ pickling
     def __getstate__(self) -> dict[str, Any]:
         # Build in the parent so worker processes never need the plugin registry; the built

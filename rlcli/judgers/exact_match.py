@@ -104,3 +104,7 @@ class ExactMatchJudger(Judger):
         else:
             ok = text.casefold() == gold.casefold()
         return {"score": cfg.correct_score if ok else cfg.wrong_score, "acc": ok}
+
+    def score_range(self) -> tuple[float, float]:
+        cfg = self.config
+        return (min(cfg.correct_score, cfg.wrong_score), max(cfg.correct_score, cfg.wrong_score))

@@ -70,3 +70,7 @@ class GSM8KJudger(Judger):
             return {"score": 0.0, "acc": False, "pred": None}
         ok = _normalized(pred) == _normalized(label)
         return {"score": self.config.correct_score if ok else self.config.format_score, "acc": ok, "pred": pred}
+
+    def score_range(self) -> tuple[float, float]:
+        cfg = self.config
+        return (min(cfg.correct_score, cfg.format_score, 0.0), max(cfg.correct_score, cfg.format_score, 0.0))

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 
 from pydantic import Field
 
+from rlcli.agent_loops.base import run_group_isolated
 from rlcli.component import CancelsJudging, Component, ComponentConfig, HasJudgePool
 from rlcli.produce.replay_buffer import ReplayBuffer
 from rlcli.produce.staleness import StalenessRule
@@ -222,19 +223,15 @@ class ProduceStrategy(Component):
             _mark_interrupted(group)
             self.put_generated(task, group, ctx)  # kept for a retry, never lost
             raise
-        except Exception as exc:  # a broken agent loop fails its samples, not the run
-            log.exception("task %r: agent loop raised on group %d", task.name, group.group_id)
-            reason = f"agent loop raised {type(exc).__name__}: {exc}"[:2000]
-            for s in group.samples:
-                if s.status != Status.COMPLETED or s.reward is None:
-                    s.status, s.error, s.reward = Status.FAILED, reason, None
         return self.put_generated(task, group, ctx)
 
     async def run_group(self, task: Task, group: Group) -> Group:
+        """Roll out ``group`` with the task's agent loop; a loop that raises fails the samples it was
+        running (FAILED, counted in ``agent_loop/errors``), never the run."""
         before = sum(len(s.response_ids) for s in group.samples)
         t0 = time.perf_counter()
         try:
-            await task.agent_loop.run_group(group.samples)
+            await run_group_isolated(task.agent_loop, group.samples)
         finally:
             task.stats.new_tokens += max(0, sum(len(s.response_ids) for s in group.samples) - before)
         task.stats.group_times.append(time.perf_counter() - t0)

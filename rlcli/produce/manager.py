@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rlcli.agent_loops.base import AgentLoop
 from rlcli.component import ReportsRolloutMetrics
 from rlcli.config.fit import allocate_task_batch_sizes  # the recipe's split of a batch by task weight
 from rlcli.produce.base import ProduceContext, ProduceStats, ProduceStatus, Task
@@ -450,7 +451,10 @@ class RolloutManager:
                 m[k] = m.get(k, 0.0) + v
         m.update(engine_metrics(self.backend))
         for t in self.tasks:
-            for k, v in t.sampler.pop_stats().items():
+            stats = t.sampler.pop_stats()
+            if isinstance(t.agent_loop, AgentLoop):  # agent_loop/errors
+                stats = {**stats, **t.agent_loop.pop_stats()}
+            for k, v in stats.items():
                 m[k] = m.get(k, 0.0) + v
             if isinstance(t.agent_loop, ReportsRolloutMetrics):  # e.g. tool/* of multi-turn loops
                 mine = [s for g in groups if g.task_name == t.name for s in g.samples]

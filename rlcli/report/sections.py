@@ -67,7 +67,7 @@ def _first_last_best(name: str, values: list[float]) -> str:
 
 def _eval_keys(runs: Sequence[Run]) -> list[str]:
     keys = sorted({k for r in runs for k in r.keys("eval/")
-                   if "judger/" not in k})
+                   if "judger/" not in k and "agent_loop/" not in k})
     keys = [k for k in keys if not (re.search(r"(^|/)failed$", k[5:]) and all_zero(runs, k))]
     first = [k for k in keys if k == "eval/accuracy"]
     return first + [k for k in keys if k != "eval/accuracy"]
@@ -120,7 +120,7 @@ def _counter_keys(runs: Sequence[Run]) -> list[str]:
         for k in r.keys("rollout/"):
             if k not in _ROLLOUT_NON_COUNTERS and not k.startswith("rollout/group_time"):
                 keys.add(k)
-        for k in r.keys("judger/"):
+        for k in [*r.keys("judger/"), *r.keys("agent_loop/")]:
             if k not in _JUDGER_NON_COUNTERS:
                 keys.add(k)
     return sorted(keys, key=lambda k: (not k.startswith("rollout/"), k))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from rlcli.agent_loops.base import AgentLoop, run_group_isolated
 from rlcli.config import EvalConfig
 from rlcli.dist import rank, world_size
 from rlcli.produce.manager import engine_metrics
@@ -60,7 +61,7 @@ class Evaluator:
             for g in groups:  # eval seeds differ per step
                 for s in g:
                     s.tries = step
-            for fut in asyncio.as_completed([task.agent_loop.run_group(g) for g in groups]):
+            for fut in asyncio.as_completed([run_group_isolated(task.agent_loop, g) for g in groups]):
                 await fut
                 if progress is not None:
                     progress(1)
@@ -72,10 +73,11 @@ class Evaluator:
         return eval_metrics(samples, [t.name for t in self.tasks], self.metric_components)
 
     def pop_stats(self) -> dict[str, float]:
-        """The eval judgers' counters and the backend's (``eval/engine/*``) since the last call."""
+        """The eval judgers' and agent loops' counters and the backend's (``eval/engine/*``) since the last call."""
         out: dict[str, float] = {}
-        for pool in self.pools:
-            for k, v in pool.pop_stats().items():
+        loops = [t.agent_loop for t in self.tasks if isinstance(t.agent_loop, AgentLoop)]
+        for part in [*self.pools, *loops]:  # judger/* and agent_loop/errors
+            for k, v in part.pop_stats().items():
                 out[f"eval/{k}"] = out.get(f"eval/{k}", 0.0) + v
         out.update(engine_metrics(self.backend, "eval/engine/"))
         return out

@@ -76,6 +76,10 @@ class MathVerifyJudger(Judger):
             "pred": _shown(pred),
         }
 
+    def score_range(self) -> tuple[float, float]:
+        cfg = self.config
+        return (min(cfg.correct_score, cfg.wrong_score), max(cfg.correct_score, cfg.wrong_score))
+
 
 @hookimpl
 def register_judgers() -> list[type]:

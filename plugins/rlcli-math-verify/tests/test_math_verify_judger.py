@@ -113,3 +113,11 @@ def test_runs_in_the_process_pool_and_garbage_never_crashes():
         assert samples[3].status == Status.FAILED and "no label" in samples[3].error
     finally:
         pool.close()
+
+
+def test_keeps_the_judger_contract():
+    from rlcli.testing import judger_conformance as jc
+
+    cases = [("\\boxed{\\frac{1}{2}}", "0.5"), ("Therefore $\\frac{1}{2}$", "0.5"), ("\\boxed{3}", "2"), ("7", 7)]
+    assert jc.run_all(MathVerifyJudger(), cases) == list(jc.ALL_CHECKS)
+    assert MathVerifyJudger(MathVerifyConfig(correct_score=2.0, wrong_score=-1.0)).score_range() == (-1.0, 2.0)

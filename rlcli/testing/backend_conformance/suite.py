@@ -27,6 +27,7 @@ from rlcli.testing.backend_conformance.pause_sleep import (
 )
 from rlcli.testing.backend_conformance.sharing import reusing_backends
 from rlcli.testing.backend_conformance.weight_update import check_weight_update
+from rlcli.testing.checks import run_checks
 
 ALL_CHECKS: dict[str, Callable[..., None]] = {
     "greedy_matches_reference": check_greedy_matches_reference,
@@ -87,19 +88,8 @@ def run_all(
 
 
 def _run_checks(make_backend, model_dir, other_model_dir, skip, options) -> list[str]:
-    skip = set(skip)
-    unknown = (skip | set(options or {})) - set(ALL_CHECKS)
-    if unknown:
-        raise ValueError(f"unknown check name(s) {sorted(unknown)}; known: {', '.join(ALL_CHECKS)}")
-    ran = []
-    for name, check in ALL_CHECKS.items():
-        if name in skip:
-            continue
-        kwargs = dict((options or {}).get(name, {}))
+    def call(name: str, check: Callable[..., None]) -> None:
         args = (make_backend, model_dir, other_model_dir) if name == "weight_update" else (make_backend, model_dir)
-        try:
-            check(*args, **kwargs)
-        except AssertionError as exc:
-            raise AssertionError(f"[{name}] {exc}") from exc
-        ran.append(name)
-    return ran
+        check(*args, **dict((options or {}).get(name, {})))
+
+    return run_checks(ALL_CHECKS, call, skip, named=options or {})
