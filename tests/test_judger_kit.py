@@ -12,6 +12,7 @@ import pytest
 
 from rlcli.judgers import CharMatchJudger, ComposedJudger, ExactMatchJudger, GSM8KJudger
 from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.overlong import OverlongJudger
 from rlcli.plugins import registry_with
 from rlcli.testing import judger_conformance as jc
 
@@ -23,6 +24,13 @@ def composed(monkeypatch):
     return ComposedJudger(cfg, registry=registry_with())
 
 
+def overlong(monkeypatch):
+    monkeypatch.setenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD", "1")
+    cfg = OverlongJudger.Config(judger={"name": "gsm8k"}, max_response_len=8, overlong_buffer_len=4,
+                                overlong_penalty_factor=0.5)
+    return OverlongJudger(cfg, registry=registry_with())
+
+
 BUILT_INS = {
     "exact_match": (lambda mp: ExactMatchJudger(), [("4", "4"), ("4.0", "4"), ("five", "4"), ("Yes", "yes")]),
     "exact_match_scores": (lambda mp: ExactMatchJudger(ExactMatchJudger.Config(correct_score=5, wrong_score=-5)),
@@ -31,6 +39,7 @@ BUILT_INS = {
     "gsm8k": (lambda mp: GSM8KJudger(), [("so #### 72", "72"), ("#### 71", "72"), ("no answer", "72")]),
     "composed": (composed, [("#### 3", "3", {"data_source": "openai/gsm8k"}), ("#### 4", "3", {"data_source":
                  "openai/gsm8k"}), ("3", "3"), ("4", "3")]),
+    "overlong": (overlong, [("so #### 72", "72"), ("#### 71", "72"), ("no answer", "72")]),
 }
 
 
@@ -44,6 +53,7 @@ def test_declared_ranges_follow_the_config(monkeypatch):
     assert ExactMatchJudger(ExactMatchJudger.Config(correct_score=5, wrong_score=-5)).score_range() == (-5, 5)
     assert GSM8KJudger(GSM8KJudger.Config(correct_score=2, format_score=0.5)).score_range() == (0.0, 2)
     assert composed(monkeypatch).score_range() == (0.0, 2.0)
+    assert overlong(monkeypatch).score_range() == (-0.5, 1.0)
 
 
 # ------------------------------------------------------------------------------ broken judgers

@@ -117,6 +117,11 @@ class OverlongJudger(Judger):
                         f"{max_tokens} (overlong_buffer_len sets where the penalty starts)")))
         return issues
 
+    def score_range(self) -> tuple[float, float]:
+        """The inner judger's range, its low end lowered by the full penalty."""
+        lo, hi = self.inner.score_range()
+        return (lo - self.config.overlong_penalty_factor, hi)
+
     def judge(self, response: str, label: Any, sample: Sample) -> Any:
         result = self.inner.judge(response, label, sample)
         if inspect.isawaitable(result):  # an async inner judger: shape its result once awaited
