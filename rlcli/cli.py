@@ -76,6 +76,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
       rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
     """
     rec = _load(recipe, overrides)
+    from rlcli.judgers.pool import JudgerNotPicklable
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
     from rlcli.runner.setup import WorkDirInUse
@@ -94,7 +95,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
             if main_result is None:  # not node 0: rank 0 reports
                 return
             path, final = main_result
-    except WorkDirInUse as exc:
+    except (WorkDirInUse, JudgerNotPicklable) as exc:
         click.secho(str(exc), fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
     except (ValueError, RankFailed) as exc:
@@ -123,9 +124,14 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     if rec.eval is None or not rec.eval.tasks:
         click.secho(f"{recipe}: the recipe has no eval.tasks to evaluate", fg="red", err=True)
         sys.exit(EXIT_RECIPE_ERROR)
+    from rlcli.judgers.pool import JudgerNotPicklable
     from rlcli.runner.evaluate import run_eval
 
-    metrics, out = run_eval(rec, checkpoint, out_dir)
+    try:
+        metrics, out = run_eval(rec, checkpoint, out_dir)
+    except JudgerNotPicklable as exc:
+        click.secho(str(exc), fg="red", err=True)
+        sys.exit(EXIT_RECIPE_ERROR)
     for k, v in sorted(metrics.items()):
         click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")

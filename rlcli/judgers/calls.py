@@ -65,8 +65,8 @@ def normalize_reward(result: Any) -> tuple[dict[str, Any] | None, str | None]:
 class _Outcome:
     """What one judge call produced; applied to the sample by :meth:`JudgePool.judge`."""
 
-    kind: Literal["ok", "timeout", "error"]
-    value: Any = None  # the raw result for "ok", the reason for "error"
+    kind: Literal["ok", "timeout", "error", "crash", "memory"]
+    value: Any = None  # the raw result for "ok", the reason otherwise
 
 
 class _Abort(Exception):
@@ -75,3 +75,9 @@ class _Abort(Exception):
 
 def _timed_out(timeout_s: float) -> _Outcome:
     return _Outcome("timeout", f"judger timeout after {timeout_s}s")
+
+
+def _stuck_after(timeout_s: float) -> float:
+    """How long a call runs before its worker no longer counts as free capacity: the calls behind
+    it go to other workers, so that hung calls run out their timeouts side by side."""
+    return min(0.5, timeout_s / 10)

@@ -1,0 +1,203 @@
+"""Judgers cannot take the run down (issue 28, acceptance 5): with the default executor a judger
+that calls ``os._exit``, hangs, or allocates without bound costs at most about its timeout per
+step, fails only its samples, and the counters and the log say what happened, by judger name."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rlcli.judgers.base import Judger, JudgerConfig
+from rlcli.judgers.calls import _stuck_after
+from rlcli.judgers.pool import JudgePool, JudgerNotPicklable
+from rlcli.types import Sample, Status
+
+
+class Faulty(Judger):
+    """Scores ``ok`` 1.0; ``hang`` sleeps a minute, ``exit`` calls ``os._exit(3)``, ``hog``
+    allocates 16 MiB blocks without bound, ``sleep:S`` sleeps S seconds, ``pid`` tells its process."""
+
+    name = "faulty"
+
+    def judge(self, response, label, sample):
+        cmd, _, arg = response.partition(":")
+        if cmd == "hang":
+            time.sleep(60)
+        elif cmd == "exit":
+            os._exit(3)
+        elif cmd == "hog":
+            blocks = []
+            while True:
+                blocks.append(bytearray(16 << 20))
+        elif cmd == "sleep":
+            time.sleep(float(arg))
+        elif cmd == "pid":
+            return {"score": 1.0, "pid": os.getpid()}
+        return 1.0
+
+
+def mk(response: str, uid: int = 0) -> Sample:
+    return Sample(uid=uid, group_id=uid // 8, task_name="t", prompt_ids=[1], response=response, label="x",
+                  status=Status.COMPLETED)
+
+
+def step(pool: JudgePool, responses: list[str]) -> tuple[list[Sample], float]:
+    """Judge one step's samples concurrently; returns them and the step's wall time."""
+    samples = [mk(r, i) for i, r in enumerate(responses)]
+
+    async def go() -> float:
+        t0 = time.monotonic()
+        await pool.judge_group(samples)
+        return time.monotonic() - t0
+
+    return samples, asyncio.run(go())
+
+
+def warm(pool: JudgePool) -> None:
+    """Start every worker process the pool may use (calls that run past stuck_after make it grow),
+    so that the timed steps below measure judging, not process start-up."""
+    nap = f"sleep:{3 * _stuck_after(pool.timeout_s)}"
+    samples, _ = step(pool, [nap] * pool.max_workers)
+    assert all(s.reward == {"score": 1.0} for s in samples), [s.error for s in samples]
+    assert len(pool._live) == pool.max_workers
+    pool.pop_stats()
+
+
+@pytest.fixture
+def pool_log():
+    """Records of the judge pool's logger (the runner's logging setup stops them reaching caplog)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("rlcli.judgers.pool")
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)
+
+
+def messages(records, level=logging.WARNING) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno >= level]
+
+
+def test_the_default_executor_is_an_isolated_process_pool_with_a_memory_limit():
+    cfg = JudgerConfig()
+    assert (cfg.executor, cfg.memory_limit_mb) == ("process", 2048)
+    pool = JudgePool(Faulty())
+    assert (pool.executor, pool.memory_limit_mb) == ("process", 2048)
+    pool.close()
+    assert JudgePool(Faulty(JudgerConfig(memory_limit_mb=None))).memory_limit_mb is None
+
+
+def test_os_exit_fails_only_its_samples_and_is_reported(pool_log):
+    pool = JudgePool(Faulty(JudgerConfig(timeout_s=1)), workers=2, max_workers=4, task="arith")
+    try:
+        warm(pool)
+        responses = ["exit" if i % 4 == 1 else "ok" for i in range(16)]
+        samples, elapsed = step(pool, responses)
+        assert elapsed < 1.0  # a dead worker is noticed at once, well within the timeout
+        for s, r in zip(samples, responses):
+            if r == "exit":
+                assert s.status == Status.FAILED and s.error == "judger worker process crashed (exit code 3)"
+            else:
+                assert s.status == Status.COMPLETED and s.reward == {"score": 1.0}, s.error
+        stats = pool.pop_stats()
+        assert (stats["judger/calls"], stats["judger/crashes"], stats["judger/errors"]) == (16, 4, 4)
+        logged = messages(pool_log)
+        assert "judger faulty (task arith): sample uid=1 FAILED: judger worker process crashed (exit code 3)" in logged
+        assert any(m.startswith("judger faulty (task arith): 4 crashed workers in 16 calls") for m in logged)
+        later, _ = step(pool, ["pid"] * 4)  # the pool carries on with new workers
+        assert all(s.reward["score"] == 1.0 for s in later)
+    finally:
+        pool.close()
+
+
+def test_hung_calls_time_out_side_by_side_and_their_workers_are_killed(pool_log):
+    """6 hung calls on 2 workers with a 1 s timeout: one after another that is 3 s; side by side 1 s."""
+    pool = JudgePool(Faulty(JudgerConfig(timeout_s=1)), workers=2, max_workers=8)
+    try:
+        warm(pool)
+        pids_before = {w.proc.process.pid for w in pool._live}
+        responses = ["hang" if i % 2 == 0 else "ok" for i in range(12)]
+        samples, elapsed = step(pool, responses)
+        assert 1.0 <= elapsed < 2.0
+        for s, r in zip(samples, responses):
+            if r == "hang":
+                assert s.status == Status.FAILED and s.error == "judger timeout after 1.0s"
+            else:
+                assert s.reward == {"score": 1.0}, s.error
+        stats = pool.pop_stats()
+        assert (stats["judger/calls"], stats["judger/timeouts"], stats["judger/errors"]) == (12, 6, 0)
+        assert any(m.startswith("judger faulty: 6 timeouts in 12 calls") and "timeout_s: 1" in m
+                   for m in messages(pool_log))
+        gone = pids_before - {w.proc.process.pid for w in pool._live if w.proc is not None}
+        assert len(gone) == 6  # the hung workers were killed, not left running with their memory
+        deadline = time.monotonic() + 5
+        while any(_alive(p) for p in gone) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(_alive(p) for p in gone)
+    finally:
+        pool.close()
+
+
+def test_unbounded_allocation_hits_the_memory_limit_and_fails_only_its_samples(pool_log):
+    pool = JudgePool(Faulty(JudgerConfig(timeout_s=5, memory_limit_mb=400)), workers=2, max_workers=4)
+    try:
+        warm(pool)
+        responses = ["hog" if i in (2, 5) else "ok" for i in range(8)]
+        samples, elapsed = step(pool, responses)
+        assert elapsed < 5.0  # the limit stops it long before the timeout
+        for s, r in zip(samples, responses):
+            if r == "hog":
+                assert s.status == Status.FAILED
+                assert s.error == ("judger exceeded its memory limit (memory_limit_mb: 400): MemoryError in the "
+                                   "call; the worker process was replaced")
+            else:
+                assert s.reward == {"score": 1.0}, s.error
+        stats = pool.pop_stats()
+        assert (stats["judger/out_of_memory"], stats["judger/errors"], stats["judger/timeouts"]) == (2, 2, 0)
+        assert any("over the memory limit" in m and "memory_limit_mb: 400" in m for m in messages(pool_log))
+    finally:
+        pool.close()
+
+
+def test_the_thread_executor_also_times_hung_calls_out_side_by_side():
+    pool = JudgePool(Faulty(JudgerConfig(timeout_s=1, executor="thread")), workers=2)
+    try:
+        responses = ["hang" if i % 2 == 0 else "ok" for i in range(12)]
+        samples, elapsed = step(pool, responses)
+        assert 1.0 <= elapsed < 2.0
+        assert sum(s.error == "judger timeout after 1.0s" for s in samples) == 6
+        assert pool.pop_stats()["judger/hung_threads"] == 6  # a thread cannot be killed: it stays stuck
+    finally:
+        pool.close()
+
+
+def test_an_unpicklable_judger_under_the_default_executor_names_the_field_and_the_fix():
+    from rlcli.runner.setup import build_judge_pool
+
+    class Unpicklable(Faulty):  # a local class cannot be pickled by reference
+        pass
+
+    spec = SimpleNamespace(judger=SimpleNamespace(build=lambda: Unpicklable()), task_name="arith")
+    with pytest.raises(JudgerNotPicklable) as info:
+        build_judge_pool(spec, "eval.tasks.1")
+    msg = str(info.value)
+    assert msg.startswith("eval.tasks.1.judger: judger 'faulty' (") and "cannot be pickled" in msg
+    assert "`executor: thread`" in msg
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
