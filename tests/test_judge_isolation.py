@@ -16,6 +16,7 @@ from rlcli.judgers.base import Judger, JudgerConfig
 from rlcli.judgers.calls import _stuck_after
 from rlcli.judgers.pool import JudgePool, JudgerNotPicklable
 from rlcli.types import Sample, Status
+from tests.test_judging import _alive
 
 
 class Faulty(Judger):
@@ -108,10 +109,11 @@ def test_os_exit_fails_only_its_samples_and_is_reported(pool_log):
         stats = pool.pop_stats()
         assert (stats["judger/calls"], stats["judger/crashes"], stats["judger/errors"]) == (16, 4, 4)
         logged = messages(pool_log)
-        assert "judger faulty (task arith): sample uid=1 FAILED: judger worker process crashed (exit code 3)" in logged
+        first = [m for m in logged if m.endswith("FAILED: judger worker process crashed (exit code 3)")]
+        assert len(first) == 1 and first[0].startswith("judger faulty (task arith): sample uid=")
         assert any(m.startswith("judger faulty (task arith): 4 crashed workers in 16 calls") for m in logged)
         later, _ = step(pool, ["pid"] * 4)  # the pool carries on with new workers
-        assert all(s.reward["score"] == 1.0 for s in later)
+        assert all(s.reward and s.reward["score"] == 1.0 for s in later), [s.error for s in later]
     finally:
         pool.close()
 
@@ -191,13 +193,21 @@ def test_an_unpicklable_judger_under_the_default_executor_names_the_field_and_th
     assert "`executor: thread`" in msg
 
 
-def _alive(pid: int) -> bool:
+
+def test_a_worker_start_cut_short_by_the_end_of_an_event_loop_goes_on_in_the_next():
+    """The runner's loop (or a test's asyncio.run) may stop while a worker is starting; the next
+    call must wait for that worker to load the judger, not read its greeting as an answer."""
+    pool = JudgePool(Faulty(JudgerConfig(timeout_s=5)), workers=1)
+
+    async def stop_while_starting() -> bool:
+        asyncio.ensure_future(pool.judge(mk("pid")))
+        while not (pool._live and pool._live[0].proc is not None):
+            await asyncio.sleep(0.001)
+        return pool._live[0].ready  # the loop ends here: the call and the worker's driver are cancelled
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except (OSError, IndexError):
-        return False
+        assert asyncio.run(stop_while_starting()) is False
+        samples, _ = step(pool, ["pid", "ok"])
+        assert [s.reward["score"] for s in samples] == [1.0, 1.0], [s.error for s in samples]
+    finally:
+        pool.close()

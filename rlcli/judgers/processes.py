@@ -45,15 +45,17 @@ from rlcli.types import Sample
 log = logging.getLogger(__name__)
 
 _MAX_BATCH = 16
-_PRELOADED = ["__main__"]  # modules the forkserver imports before forking workers (its default first)
+_PRELOADED = ["__main__", "rlcli.judgers.worker_process"]  # the forkserver imports these before forking
 
 
 def _preload(ctx: Any, judger: Any) -> None:
-    """Have the forkserver import ``judger``'s module (effective if it has not started yet)."""
-    module = type(judger).__module__
-    if ctx.get_start_method() != "forkserver" or module in _PRELOADED or module not in sys.modules:
+    """Have the forkserver import the worker's code and ``judger``'s module before it forks workers,
+    so that starting one costs a fork, not those imports (effective if it has not started yet)."""
+    if ctx.get_start_method() != "forkserver":
         return
-    _PRELOADED.append(module)
+    module = type(judger).__module__
+    if module not in _PRELOADED and module in sys.modules:
+        _PRELOADED.append(module)
     ctx.set_forkserver_preload(list(_PRELOADED))
 
 
@@ -97,7 +99,8 @@ class _Sent:
 
 class _Worker:
     def __init__(self) -> None:
-        self.proc: _Proc | None = None  # None while it starts
+        self.proc: _Proc | None = None  # None until its process is started
+        self.ready = False  # its process loaded the judger (a start cut short resumes waiting for it)
         self.sent: collections.deque[_Sent] = collections.deque()  # answered in this order
         self.head_since = 0.0  # when the first call in `sent` started (as seen from here)
         self.stuck = False
@@ -215,7 +218,7 @@ class _ProcessExecutor:
     async def _drive(self, w: _Worker) -> None:
         """Start ``w`` if needed, then feed it batches and read its answers while there is work."""
         try:
-            if w.proc is None and not await self._start(w):
+            if not w.ready and not await self._start(w):
                 return
             while not w.dead and (w.sent or self._feed(w)):
                 await self._read(w)
@@ -362,19 +365,21 @@ class _ProcessExecutor:
 
     # ----------------------------------------------------------------------------- start-up
     async def _start(self, w: _Worker) -> bool:
-        """Start ``w``'s process; False (and one queued call failed with the reason) if it cannot."""
-        self._procs = [p for p in self._procs if not p.reap(0.0)]
-        starting = asyncio.get_running_loop().run_in_executor(
-            None, _Proc, self._ctx, self._judger_bytes, self.memory_limit_mb)
-        try:
-            w.proc = await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            starting.add_done_callback(_kill_started)
-            self._discard(w)
-            raise
-        except Exception as exc:
-            return self._not_started(w, f"judger worker process failed to start: {type(exc).__name__}: {exc}")
-        self._procs.append(w.proc)
+        """Start ``w``'s process (or go on waiting for it to load the judger); False (and one
+        queued call failed with the reason) if it cannot."""
+        if w.proc is None:
+            self._procs = [p for p in self._procs if not p.reap(0.0)]
+            starting = asyncio.get_running_loop().run_in_executor(
+                None, _Proc, self._ctx, self._judger_bytes, self.memory_limit_mb)
+            try:
+                w.proc = await asyncio.shield(starting)
+            except asyncio.CancelledError:
+                starting.add_done_callback(_kill_started)
+                self._discard(w)
+                raise
+            except Exception as exc:
+                return self._not_started(w, f"judger worker process failed to start: {type(exc).__name__}: {exc}")
+            self._procs.append(w.proc)
         try:
             await _readable(w.proc.conn, _BOOT_TIMEOUT_S)
             kind, value = w.proc.conn.recv()
@@ -384,6 +389,7 @@ class _ProcessExecutor:
             code = await _exitcode(w.proc)
             return self._not_started(w, f"judger worker process failed to start: {_exit_reason(code)}")
         if kind == "ready":
+            w.ready = True
             return True
         if "MemoryError" in str(value) and self.memory_limit_mb:
             value = f"{value} (memory_limit_mb: {self.memory_limit_mb} is too small to load it)"
