@@ -42,6 +42,21 @@ class Faulty(Judger):
         return 1.0
 
 
+class FaultyByUid(Judger):
+    """For a whole run: raises on every third sample, hangs on every seventh, ends its process on
+    every eleventh, allocates without bound on every thirteenth, else exact match."""
+
+    name = "faulty_by_uid"
+
+    def judge(self, response, label, sample):
+        for every, cmd in ((11, "exit"), (13, "hog"), (7, "hang")):
+            if sample.uid % every == every // 2:
+                return Faulty().judge(cmd, label, sample)
+        if sample.uid % 3 == 0:
+            raise ValueError("every third")
+        return float(response.strip() == str(label))
+
+
 def mk(response: str, uid: int = 0) -> Sample:
     return Sample(uid=uid, group_id=uid // 8, task_name="t", prompt_ids=[1], response=response, label="x",
                   status=Status.COMPLETED)
@@ -111,7 +126,7 @@ def test_os_exit_fails_only_its_samples_and_is_reported(pool_log):
         logged = messages(pool_log)
         first = [m for m in logged if m.endswith("FAILED: judger worker process crashed (exit code 3)")]
         assert len(first) == 1 and first[0].startswith("judger faulty (task arith): sample uid=")
-        assert any(m.startswith("judger faulty (task arith): 4 crashed workers in 16 calls") for m in logged)
+        assert any(m.startswith("judger faulty (task arith): of 16 calls since the last step, 4 crashed their worker process") for m in logged)
         later, _ = step(pool, ["pid"] * 4)  # the pool carries on with new workers
         assert all(s.reward and s.reward["score"] == 1.0 for s in later), [s.error for s in later]
     finally:
@@ -134,7 +149,7 @@ def test_hung_calls_time_out_side_by_side_and_their_workers_are_killed(pool_log)
                 assert s.reward == {"score": 1.0}, s.error
         stats = pool.pop_stats()
         assert (stats["judger/calls"], stats["judger/timeouts"], stats["judger/errors"]) == (12, 6, 0)
-        assert any(m.startswith("judger faulty: 6 timeouts in 12 calls") and "timeout_s: 1" in m
+        assert any(m.startswith("judger faulty: of 12 calls since the last step, 6 timed out") and "timeout_s: 1" in m
                    for m in messages(pool_log))
         gone = pids_before - {w.proc.process.pid for w in pool._live if w.proc is not None}
         assert len(gone) == 6  # the hung workers were killed, not left running with their memory
@@ -162,7 +177,7 @@ def test_unbounded_allocation_hits_the_memory_limit_and_fails_only_its_samples(p
                 assert s.reward == {"score": 1.0}, s.error
         stats = pool.pop_stats()
         assert (stats["judger/out_of_memory"], stats["judger/errors"], stats["judger/timeouts"]) == (2, 2, 0)
-        assert any("over the memory limit" in m and "memory_limit_mb: 400" in m for m in messages(pool_log))
+        assert any("2 went over the memory limit" in m and "memory_limit_mb: 400" in m for m in messages(pool_log))
     finally:
         pool.close()
 
@@ -211,3 +226,95 @@ def test_a_worker_start_cut_short_by_the_end_of_an_event_loop_goes_on_in_the_nex
         assert [s.reward["score"] for s in samples] == [1.0, 1.0], [s.error for s in samples]
     finally:
         pool.close()
+
+
+def test_every_shipped_judger_runs_under_the_default_executor(repo):
+    """The built-ins, a composed judger, and the judgers the recipes name (gsm8k-tools.yaml: gsm8k)
+    are picklable and score in worker processes; math_verify where its plugin is installed."""
+    import yaml
+
+    from rlcli.config import validate_recipe
+
+    raw = yaml.safe_load((repo / "recipes" / "gsm8k-tools.yaml").read_text())
+    specs = [({"name": "exact_match"}, "7", "7"), ({"name": "char_match"}, "12", "12"),
+             ({"name": "gsm8k"}, "so #### 42", "42"), (raw["tasks"][0]["judger"], "#### 5", "5"),
+             ({"name": "composed", "default": {"name": "exact_match"}}, "7", "7")]
+    try:
+        import rlcli_math_verify  # noqa: F401
+
+        specs.append(({"name": "math_verify"}, "$\\frac{1}{2}$", "0.5"))
+    except ImportError:
+        pass
+    for spec, response, label in specs:
+        quickstart = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
+        quickstart["tasks"][0]["judger"] = spec
+        judger = validate_recipe(quickstart, base_dir=repo / "recipes").tasks[0].judger.build()
+        pool = JudgePool(judger, workers=1)
+        try:
+            assert pool.executor == "process"
+            s = Sample(uid=0, group_id=0, task_name="t", prompt_ids=[1], response=response, label=label,
+                       status=Status.COMPLETED)
+            asyncio.run(pool.judge(s))
+            assert s.reward is not None and s.reward["score"] == 1.0, (spec, s.error)
+        finally:
+            pool.close()
+
+
+def test_train_reports_an_unpicklable_judger_with_exit_code_2(repo, monkeypatch):
+    from click.testing import CliRunner
+
+    import rlcli.runner
+    from rlcli.cli import cli
+
+    def refuse(*a, **k):
+        raise JudgerNotPicklable("tasks.0.judger: judger 'x' (m.X) cannot be pickled, ... set its `executor: thread`")
+
+    monkeypatch.setattr(rlcli.runner, "run", refuse)
+    out = CliRunner().invoke(cli, ["train", str(repo / "recipes" / "quickstart.yaml"), "--quiet"])
+    assert out.exit_code == 2 and "tasks.0.judger: judger 'x'" in out.output and "Traceback" not in out.output
+
+
+def test_a_run_with_a_faulty_judger_trains_on_and_says_what_happened(repo, tmp_path):
+    """The default executor in a real run: every step has calls that end their worker, hang or
+    allocate without bound; each fails only its sample, and metrics.jsonl and run.log say which,
+    by judger and task. (The judger lives in this module, which does not import torch, so that a
+    worker loads it quickly under its memory limit.)"""
+    import json
+
+    import yaml
+
+    from rlcli import hookimpl
+    from rlcli.config import validate_recipe
+    from rlcli.plugins import registry_with
+    from rlcli.runner.colocate import ColocateRunner
+
+    class Plugin:
+        @hookimpl
+        def register_judgers(self):
+            return [FaultyByUid]
+
+    work = tmp_path / "faulty"
+    raw = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
+    raw["trainer"].update(total_train_steps=3, evaluate_step=1, checkpoint_interval=-1, work_dir=str(work),
+                          train_batch_size=10)
+    raw["tasks"][0]["sampler"]["prompt_repeat_k"] = 4
+    raw["tasks"][0]["judger"] = {"name": "faulty_by_uid", "timeout_s": 1, "memory_limit_mb": 300}
+    runner = ColocateRunner(validate_recipe(raw, registry=registry_with(Plugin()), base_dir=repo / "recipes"),
+                            quiet=True)
+    try:
+        runner.fit()
+    finally:
+        runner.close()
+    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in rows] == [0, 1, 2, 3]
+    for x in rows[1:]:
+        assert x["judger/crashes"] > 0 and x["judger/timeouts"] > 0, x
+        assert x["judger/errors"] > x["judger/crashes"] + x["judger/out_of_memory"]  # the ValueErrors too
+        assert x["rollout/failed_samples"] == x["judger/errors"] + x["judger/timeouts"]
+        assert x["timing/step_s"] < 10
+    assert sum(x["judger/out_of_memory"] for x in rows[1:]) > 0
+    log = (work / "run.log").read_text()
+    for what in ("FAILED: judger worker process crashed (exit code 3)",
+                 "FAILED: judger exceeded its memory limit (memory_limit_mb: 300)", "FAILED: judger timeout after 1.0s"):
+        assert "judger faulty_by_uid (task arith): sample uid=" in log and what in log, what
+    assert "crashed their worker process" in log and "timed out" in log and "went over the memory limit" in log

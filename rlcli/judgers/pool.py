@@ -79,8 +79,8 @@ DEFAULT_MAX_WORKERS = 16
 DEFAULT_MEMORY_LIMIT_MB = 2048
 
 # outcome kind -> (counter, how the log names it)
-_FAULTS = {"timeout": ("judger/timeouts", "timeouts"), "crash": ("judger/crashes", "crashed workers"),
-           "memory": ("judger/out_of_memory", "over the memory limit")}
+_FAULTS = {"timeout": ("judger/timeouts", "timed out"), "crash": ("judger/crashes", "crashed their worker process"),
+           "memory": ("judger/out_of_memory", "went over the memory limit")}
 
 
 class JudgerNotPicklable(TypeError):
@@ -288,8 +288,8 @@ class JudgePool(_ThreadExecutor, _ProcessExecutor):
         stats["judger/hung_threads"] = self.hung_threads
         if sum(logged.values()) > 1:
             what = ", ".join(f"{n} {_FAULTS[k][1]}" for k, n in logged.items())
-            log.warning("judger %s: %s in %d calls since the last step (timeout_s: %g, memory_limit_mb: %s, "
-                        "executor: %s)", self._name, what, stats["judger/calls"], self.timeout_s,
+            log.warning("judger %s: of %d calls since the last step, %s (timeout_s: %g, memory_limit_mb: %s, "
+                        "executor: %s)", self._name, stats["judger/calls"], what, self.timeout_s,
                         self.memory_limit_mb, self.executor)
         return stats
 
