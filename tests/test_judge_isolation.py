@@ -279,40 +279,35 @@ def test_a_run_with_a_faulty_judger_trains_on_and_says_what_happened(repo, tmp_p
     allocate without bound; each fails only its sample, and metrics.jsonl and run.log say which,
     by judger and task. (The judger lives in this module, which does not import torch, so that a
     worker loads it quickly under its memory limit.)"""
-    import json
-
-    import yaml
-
     from rlcli import hookimpl
     from rlcli.config import validate_recipe
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
+    from tests.test_e2e import _short, rows
 
     class Plugin:
         @hookimpl
         def register_judgers(self):
             return [FaultyByUid]
 
+    def faulty(raw):
+        raw["tasks"][0]["judger"] = {"name": "faulty_by_uid", "timeout_s": 1, "memory_limit_mb": 300}
+
     work = tmp_path / "faulty"
-    raw = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
-    raw["trainer"].update(total_train_steps=3, evaluate_step=1, checkpoint_interval=-1, work_dir=str(work),
-                          train_batch_size=10)
-    raw["tasks"][0]["sampler"]["prompt_repeat_k"] = 4
-    raw["tasks"][0]["judger"] = {"name": "faulty_by_uid", "timeout_s": 1, "memory_limit_mb": 300}
-    runner = ColocateRunner(validate_recipe(raw, registry=registry_with(Plugin()), base_dir=repo / "recipes"),
-                            quiet=True)
+    runner = ColocateRunner(validate_recipe(_short(repo, work, faulty), registry=registry_with(Plugin()),
+                                            base_dir=repo / "recipes"), quiet=True)
     try:
         runner.fit()
     finally:
         runner.close()
-    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in rows] == [0, 1, 2, 3]
-    for x in rows[1:]:
+    got = rows(work)
+    assert [x["step"] for x in got] == [0, 1, 2, 3]
+    for x in got[1:]:
         assert x["judger/crashes"] > 0 and x["judger/timeouts"] > 0, x
         assert x["judger/errors"] > x["judger/crashes"] + x["judger/out_of_memory"]  # the ValueErrors too
         assert x["rollout/failed_samples"] == x["judger/errors"] + x["judger/timeouts"]
         assert x["timing/step_s"] < 10
-    assert sum(x["judger/out_of_memory"] for x in rows[1:]) > 0
+    assert sum(x["judger/out_of_memory"] for x in got[1:]) > 0
     log = (work / "run.log").read_text()
     for what in ("FAILED: judger worker process crashed (exit code 3)",
                  "FAILED: judger exceeded its memory limit (memory_limit_mb: 300)", "FAILED: judger timeout after 1.0s"):
