@@ -87,8 +87,8 @@ class Broken(Judger):
 
 
 def broken(bug, **config):
-    cls = type(f"Broken_{bug}", (Broken,), {"bug": bug})
-    return cls(JudgerConfig(**{"timeout_s": 0.2, **config}))
+    cls = type(f"Broken_{bug}", (Broken,), {"bug": bug})  # made here, so not picklable by reference:
+    return cls(JudgerConfig(**{"timeout_s": 0.2, "executor": "thread", **config}))  # thread, unless a case says
 
 
 CASES = [("1", "1"), ("2", "1"), ("x", "1")]

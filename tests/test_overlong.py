@@ -97,6 +97,14 @@ def test_async_inner_judger_is_shaped_once_awaited():
     assert asyncio.run(result) == {"score": -0.75, "overlong_penalty": -1.0}
 
 
+def test_an_async_inner_judger_through_the_inline_pool():
+    """The inline fast path awaits what a plain judge() returns (here a wrapped async judger)."""
+    pool = JudgePool(overlong({"name": "async_fixed", "value": 0.25}), executor="inline")
+    s = sample(8)
+    asyncio.run(pool.judge(s))
+    assert s.status != Status.FAILED and s.reward == {"score": -0.75, "overlong_penalty": -1.0}
+
+
 def test_an_unusable_inner_result_fails_the_sample_in_the_pool():
     pool = JudgePool(overlong({"name": "fixed", "value": None}), executor="inline")
     s = sample(8)

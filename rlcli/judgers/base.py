@@ -1,11 +1,12 @@
 """The judger contract.
 
 A judger scores one COMPLETED response: ``judge(response, label, sample) -> float | dict``.
-A float is wrapped as ``{"score": x}``; a dict must contain ``"score"``. Judgers must be
-picklable when ``executor: process`` is used (CPU-heavy judgers such as sympy-based ones);
-the runner calls them in a worker pool with a per-call timeout, so an exception or a hang
-marks only that sample FAILED, never the run. With ``truncated_score`` set, a response that
-never reached EOS (cut off at ``max_tokens``) gets that score and the judger is not called.
+A float is wrapped as ``{"score": x}``; a dict must contain ``"score"``. The runner calls
+judgers in a pool of worker processes by default (``executor: process``), so a judger must be
+picklable unless its config says ``executor: thread`` (or ``inline``). Each call has a timeout
+and each worker a memory limit, so an exception, a hang, a crash or a runaway allocation marks
+only that sample FAILED, never the run. With ``truncated_score`` set, a response that never
+reached EOS (cut off at ``max_tokens``) gets that score and the judger is not called.
 A reward dict holding ``"exclude_from_loss": True`` (:data:`rlcli.types.EXCLUDE_FROM_LOSS`)
 keeps its sample in its group's advantages but out of the loss (the ``overlong`` judger's
 ``exclude_truncated``).
@@ -27,8 +28,12 @@ class JudgerConfig(ComponentConfig):
         None, description="Score of a response cut off at max_tokens (finish reason 'length', no EOS), given "
         "without calling the judger; null: such responses are judged like any other.")
     executor: Literal["inline", "thread", "process"] = Field(
-        "thread", description="Where judge() runs: inline (no timeout), a thread pool, or a process pool."
-    )
+        "process", description="Where judge() runs: process (worker processes, killed on timeout, memory-capped), "
+        "thread (for judgers that cannot be pickled: no memory limit, a hung call cannot be killed) or inline (in "
+        "the event loop, no timeout).")
+    memory_limit_mb: int | None = Field(
+        2048, gt=0, description="Memory cap (MB) of each judge worker process with executor process (RLIMIT_DATA, "
+        "Linux); a call that exceeds it is FAILED and its worker replaced. null: no limit.")
 
 
 class Judger(Component):

@@ -83,8 +83,8 @@ def warn_bad_result(judger: str, reason: str) -> None:
 class _Outcome:
     """What one judge call produced; applied to the sample by :meth:`JudgePool.judge`."""
 
-    kind: Literal["ok", "timeout", "error"]
-    value: Any = None  # the raw result for "ok", the reason for "error"
+    kind: Literal["ok", "timeout", "error", "crash", "memory"]
+    value: Any = None  # the raw result for "ok", the reason otherwise
 
 
 class _Abort(Exception):
@@ -93,3 +93,9 @@ class _Abort(Exception):
 
 def _timed_out(timeout_s: float) -> _Outcome:
     return _Outcome("timeout", f"judger timeout after {timeout_s}s")
+
+
+def _stuck_after(timeout_s: float) -> float:
+    """How long a call runs before its worker no longer counts as free capacity: the calls behind
+    it go to other workers, so that hung calls run out their timeouts side by side."""
+    return min(0.5, timeout_s / 10)

@@ -1,11 +1,13 @@
 """The ``thread`` executor of :class:`~rlcli.judgers.pool.JudgePool`: a pool of daemon threads.
 
 The timeout is measured from when a worker picks the call up. A thread cannot be killed, so a
-call that times out (or is cancelled) leaves its thread running: that thread is *retired* (it
-exits when the call eventually returns) and a replacement worker is started, so capacity is
-kept. At most ``max_hung_threads`` retired threads are replaced; beyond that the pool runs with
-fewer workers until they return. Daemon threads, unlike a ``ThreadPoolExecutor``'s, never block
-interpreter exit.
+call that runs past :func:`~rlcli.judgers.calls._stuck_after` (``min(0.5 s, timeout_s / 10)``),
+times out or is cancelled leaves its thread running: that thread is *retired* (it exits when
+the call eventually returns) and a replacement worker is started, so capacity is kept and hung
+calls time out side by side. At most ``max_hung_threads`` retired threads are replaced; beyond
+that the pool runs with fewer workers until they return, and a call that finds no free worker
+within ``timeout_s`` times out instead of waiting for them. Daemon threads, unlike a
+``ThreadPoolExecutor``'s, never block interpreter exit.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import threading
 from concurrent.futures import Future
 from typing import Any, Callable
 
-from rlcli.judgers.calls import _Abort, _call_judger, _describe_exception, _Outcome, _timed_out
+from rlcli.judgers.calls import _Abort, _call_judger, _describe_exception, _Outcome, _stuck_after, _timed_out
 from rlcli.types import Sample
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,11 @@ class _ThreadWorkers:
                     "until they return", len(self.hung), self.max_hung, len(self.active), self.size,
                 )
 
+    def starved(self) -> bool:
+        """Fewer workers than ``size`` and no replacement allowed: a queued call may never start."""
+        with self.lock:
+            return len(self.active) < self.size
+
     def retired_done(self, w: _Worker) -> None:
         with self.lock:
             self.hung.discard(w)
@@ -146,12 +153,16 @@ class _ThreadExecutor:
         done = asyncio.wrap_future(job.future)
         done.add_done_callback(_consume)  # a result that arrives after we gave up is dropped quietly
         try:
-            # Wait for a worker to pick the call up (not timed), then for the call itself (timed).
-            await asyncio.wait([started, done], return_when=asyncio.FIRST_COMPLETED)
-            if not done.done():
-                await asyncio.wait([done], timeout=self.timeout_s)
+            if not await self._wait_for_a_thread(job, started, done):
+                return _Outcome("timeout", (
+                    f"judger timeout: no judge thread became free within {self.timeout_s}s ({len(self._threads.hung)} "
+                    f"threads are stuck in earlier calls; max_hung_threads={self._threads.max_hung})"))
+            # the call itself is timed; past stuck_after its thread is replaced (retired) already
+            await asyncio.wait([done], timeout=min(_stuck_after(self.timeout_s), self.timeout_s))
             if not done.done():
                 self._threads.abandon(job)
+                await asyncio.wait([done], timeout=self.timeout_s - _stuck_after(self.timeout_s))
+            if not done.done():
                 return _timed_out(self.timeout_s)
         except asyncio.CancelledError:
             self._threads.abandon(job)
@@ -161,6 +172,17 @@ class _ThreadExecutor:
                 started.cancel()
         exc = done.exception()
         return _Outcome("error", _describe_exception(exc)) if exc is not None else _Outcome("ok", done.result())
+
+    async def _wait_for_a_thread(self, job: _Job, started: asyncio.Future, done: asyncio.Future) -> bool:
+        """Wait (untimed) for a worker to pick ``job`` up; False if it cannot be started within
+        ``timeout_s`` because every worker is stuck (then it never will be)."""
+        assert self._threads is not None
+        while True:
+            await asyncio.wait([started, done], timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            if started.done() or done.done():
+                return True
+            if self._threads.starved() and job.future.cancel():  # still queued: it will never run
+                return False
 
 
 def _consume(fut: asyncio.Future) -> None:

@@ -162,10 +162,15 @@ class Environment:
                            dtype=self.dtype, seed=self.seed, total_steps=total_steps, process_group=process_group)
 
 
-def build_judge_pool(task_cfg: TaskConfig):
-    from rlcli.judgers.pool import JudgePool
+def build_judge_pool(task_cfg: TaskConfig, where: str):
+    """The judge pool of a task; a judger the default ``process`` executor cannot pickle raises
+    :class:`~rlcli.judgers.pool.JudgerNotPicklable` naming ``<where>.judger``."""
+    from rlcli.judgers.pool import JudgePool, JudgerNotPicklable
 
-    return JudgePool(task_cfg.judger.build())
+    try:
+        return JudgePool(task_cfg.judger.build(), task=task_cfg.task_name)
+    except JudgerNotPicklable as exc:
+        raise JudgerNotPicklable(f"{where}.judger: {exc}") from exc.__cause__
 
 
 def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt: str, sync_weights_interval: int,
@@ -178,8 +183,8 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
     interval = sync_weights_interval
     index, count = shard if shard is not None else (env.rank, env.world_size)
     tasks, pools = [], []
-    for tc in task_cfgs:
-        pool = build_judge_pool(tc)
+    for i, tc in enumerate(task_cfgs):
+        pool = build_judge_pool(tc, f"{'eval.tasks' if eval_mode else 'tasks'}.{i}")
         pools.append(pool)
         sampler = env.take_sampler(tc)
         if isinstance(sampler, Shardable):
