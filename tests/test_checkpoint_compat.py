@@ -28,11 +28,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlcli.runner.records import is_wall_time
+
 FIXTURES = Path(__file__).resolve().parent / "data" / "ckpt-v0"
 FIXTURE = FIXTURES / "colocate"
 DISAGG = FIXTURES / "disaggregated"
 STEP, TOTAL = 4, 8
-VOLATILE = ("timing/", "throughput/", "judger/time_s", "train/step_time_s", "rollout/group_time", "engine/busy_s")
 TOL = {"rel": 1e-5, "abs": 1e-7}
 # Metric names added since 4fc714f, each listed here (a renamed or dropped one still fails)
 ADDED_METRICS = {"rollout/loss_excluded_samples", "agent_loop/errors", "eval/agent_loop/errors"}
@@ -44,7 +45,7 @@ def added(key: str) -> bool:
 
 
 def stable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "time" and not any(p in k for p in VOLATILE)}
+    return {k: v for k, v in row.items() if not is_wall_time(k)}
 
 
 def rows(path: Path) -> list[dict]:

@@ -21,6 +21,7 @@ import torch
 from click.testing import CliRunner
 
 from rlcli.cli import cli
+from rlcli.runner.records import is_wall_time
 from rlcli.config import TRAIN_RESOURCES, ROLLOUT_RESOURCES, resolve_placement
 from rlcli.runner.disaggregated import LEDGER, _truncate_ledger, split_sequences
 from rlcli.runner.disaggregated.protocol import BatchReply, GetBatch, expect
@@ -417,11 +418,6 @@ def test_each_mode_runs_five_steps_within_its_staleness_bound(mode_run, mode):
     assert (work / "hf" / "step-5" / "config.json").exists()
 
 
-def _timed(key: str) -> bool:
-    """Metrics that measure wall time (or derive from it): they differ between any two runs."""
-    return key == "time" or key.endswith("_s") or "time_p" in key or key.startswith("throughput/")
-
-
 def test_lockstep_reproduces_the_colocated_run(repo, mode_run, tmp_path):
     """docs/disaggregated.md: on-policy lock-step is the colocated strict on-policy run on separate
     ranks. Same data, policy versions and seeds: every metric that is not a wall time, every dumped
@@ -442,7 +438,7 @@ def test_lockstep_reproduces_the_colocated_run(repo, mode_run, tmp_path):
     for x, y in zip(a, b):
         assert set(y) <= set(x), set(y) - set(x)  # the disaggregated row adds its sync/ and wait metrics
         # step 1's sync/bytes: the disaggregated row also counts the start-up push (colocated: before step 1)
-        differ = {k: (x[k], y[k]) for k in y if not _timed(k) and x[k] != y[k]
+        differ = {k: (x[k], y[k]) for k in y if not is_wall_time(k) and x[k] != y[k]
                   and not (k == "sync/bytes" and y["step"] == 1 and x[k] == 2 * y[k])}
         assert not differ, (y["step"], differ)
         assert y["throughput/rollout_tokens_per_s"] == pytest.approx(y["rollout/tokens"] / y["timing/rollout_s"])

@@ -19,8 +19,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlcli.runner.records import is_wall_time
+
 RLCLI = [sys.executable, "-m", "rlcli.cli"]
-VOLATILE = ("time", "timing/", "judger/time_s", "train/step_time_s", "rollout/group_time", "engine/busy_s")
 
 
 def base_args(repo: Path, work: Path, steps: int, strategy: str) -> list[str]:
@@ -35,7 +36,7 @@ def base_args(repo: Path, work: Path, steps: int, strategy: str) -> list[str]:
 
 
 def stable(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "time" and not any(p in k for p in VOLATILE[1:])}
+    return {k: v for k, v in row.items() if not is_wall_time(k)}
 
 
 def metrics(work: Path) -> list[dict]:

@@ -49,6 +49,13 @@ ROLLOUT_TOKENS_PER_S = "throughput/rollout_tokens_per_s"
 TRAIN_TOKENS_PER_S = "throughput/train_tokens_per_s"
 
 
+def is_wall_time(key: str) -> bool:
+    """Whether metric ``key`` measures wall time or a rate over it (``time``, every ``*_s``, the
+    ``*time_p50``/``p99`` percentiles, ``throughput/*``): the metrics in which two runs of the same
+    recipe and seed may differ; every other metric of a resumed run equals the uninterrupted one's."""
+    return key == "time" or key.endswith("_s") or "time_p" in key or key.startswith("throughput/")
+
+
 def per_second(amount: float, seconds: float) -> float:
     """``amount / seconds``; 0 when nothing was timed."""
     return amount / seconds if seconds > 0 else 0.0
