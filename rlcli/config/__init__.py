@@ -18,7 +18,9 @@ entry points). Import from ``rlcli.config``; it re-exports all of them.
 
 from __future__ import annotations
 
-from rlcli.config.fit import check_fit, check_prompt_lengths, check_task_shares, model_context, model_shape
+from rlcli.config.fit import (
+    check_fit, check_prompt_lengths, check_task_shares, model_context, model_shape, task_max_tokens,
+)
 from rlcli.config.issues import Issue, RecipeError
 from rlcli.config.load import _recipe_checks, load_recipe, resolved_dict, validate_recipe
 from rlcli.config.placement import (
@@ -58,7 +60,7 @@ __all__ = [
     "PlacementConfig", "Recipe", "RecipeError", "ResourcesConfig", "RolloutISConfig", "Strict", "TaskConfig",
     "TrainWorkerConfig", "TrainerConfig", "check_fit", "check_launch", "check_prompt_lengths", "check_task_shares",
     "model_context", "model_shape", "load_recipe", "read_yaml", "resolve_placement",
-    "resolved_dict", "validate_recipe",
+    "resolved_dict", "task_max_tokens", "validate_recipe",
     # private helpers, kept importable from here as before the split (docgen, tests)
     "_check_disaggregated", "_check_rules", "_check_tasks", "_collect_specs", "_dotted", "_issue_from_pydantic",
     "_kind_of", "_model_class_at", "_placement_side", "_positive_or_disabled", "_recipe_checks",

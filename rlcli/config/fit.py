@@ -81,6 +81,13 @@ def _check_heads(shape: dict[str, int], where: str, issues: list[Issue]) -> None
                             f"among an equal number of query heads; use one of {fits}"))
 
 
+def task_max_tokens(loop_cfg) -> int | None:
+    """``sample_params.max_tokens`` of an agent loop's resolved config: the response budget of its
+    task (None when the loop has no such field, e.g. a third-party loop with its own config)."""
+    max_tokens = getattr(getattr(loop_cfg, "sample_params", None), "max_tokens", None)
+    return max_tokens if isinstance(max_tokens, int) else None
+
+
 def _task_lengths(recipe: Recipe) -> list[tuple[str, bool, int | None, int]]:
     """``(dotted task path, trains, max_prompt_length or None, max_tokens)`` of every resolved task."""
     out = []
@@ -88,8 +95,8 @@ def _task_lengths(recipe: Recipe) -> list[tuple[str, bool, int | None, int]]:
     for prefix, tasks, trains in groups:
         for i, t in enumerate(tasks):
             sampler_cfg, loop_cfg = t.sampler._cfg, t.agent_loop._cfg
-            max_tokens = getattr(getattr(loop_cfg, "sample_params", None), "max_tokens", None)
-            if sampler_cfg is None or not isinstance(max_tokens, int):
+            max_tokens = task_max_tokens(loop_cfg)
+            if sampler_cfg is None or max_tokens is None:
                 continue
             mpl = getattr(sampler_cfg, "max_prompt_length", None)
             out.append((f"{prefix}.{i}", trains, mpl if isinstance(mpl, int) else None, max_tokens))

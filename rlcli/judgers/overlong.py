@@ -110,7 +110,7 @@ class OverlongJudger(Judger):
             max_tokens = _max_tokens(task)
             for path, spec in _overlong_specs(f"{where}.judger", _as_dict(task.judger)):
                 length = spec.get("max_response_len")
-                if isinstance(max_tokens, int) and isinstance(length, int) and length != max_tokens:
+                if max_tokens is not None and isinstance(length, int) and length != max_tokens:
                     issues.append((f"{path}.max_response_len", (
                         f"{length} differs from {where}.agent_loop.sample_params.max_tokens={max_tokens}: the "
                         f"penalty must reach -overlong_penalty_factor exactly at the response budget; set it to "
@@ -154,11 +154,14 @@ def _tasks(recipe: Any) -> list[tuple[str, Any]]:
     return out + [(f"eval.tasks.{i}", t) for i, t in enumerate(getattr(ev, "tasks", None) or [])]
 
 
-def _max_tokens(task: Any) -> Any:
+def _max_tokens(task: Any) -> int | None:
     try:
-        return getattr(getattr(task.agent_loop.cfg, "sample_params", None), "max_tokens", None)
+        loop_cfg = task.agent_loop.cfg
     except RuntimeError:  # the agent loop did not resolve: reported elsewhere
         return None
+    from rlcli.config.fit import task_max_tokens
+
+    return task_max_tokens(loop_cfg)
 
 
 def _as_dict(spec: Any) -> dict[str, Any]:

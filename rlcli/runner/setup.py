@@ -15,7 +15,7 @@ import yaml
 
 from rlcli.backends.base import BackendContext, InferenceBackend
 from rlcli.component import Shardable
-from rlcli.config import Recipe, TaskConfig, check_prompt_lengths, model_context, resolved_dict
+from rlcli.config import Recipe, TaskConfig, check_prompt_lengths, model_context, resolved_dict, task_max_tokens
 from rlcli.data.base import DataError
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device
@@ -125,8 +125,8 @@ class Environment:
     def _check_prompts(self, tc: TaskConfig, sampler, *, trains: bool) -> list[str]:
         """Errors (warnings are logged) of ``tc``'s prompts against the model's context and a pack."""
         lengths = sampler.prompt_lengths()
-        max_tokens = getattr(getattr(tc.agent_loop.cfg, "sample_params", None), "max_tokens", None)
-        if not lengths or not isinstance(max_tokens, int):
+        max_tokens = task_max_tokens(tc.agent_loop.cfg)
+        if not lengths or max_tokens is None:
             return []
         context, src = model_context(self.model_cfg)
         pack = self.worker_cfg.pack_max_length if trains else None
