@@ -16,6 +16,8 @@ Sections:
   --rlcli     `ColocateRunner` steps: median and min-max step time, split rollout / train / sync,
               generated tok/s, training MFU (6·N·T FLOPs, T the tokens the model runs on), weight sync s/GB, peak GPU memory
   --trl       TRL GRPOTrainer (transformers generate) on the same work, step times, peak memory
+  --trl-vllm  TRL GRPOTrainer with vLLM in colocate mode (grpo_trl.TRL_VLLM settings), same work;
+              --trl-vllm-variant NAME:KEY=VALUE,... adds a run with other GRPOConfig settings
 Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
 split.png. A failing section prints its exact error and the others still run. `--profile` adds
 torch.profiler tables; `--memory` writes, for the third train step of each rlcli run, what was
@@ -187,6 +189,9 @@ def make_model_dir(d: Path) -> Path:
     cfg_file = d / "tokenizer_config.json"
     tcfg = json.loads(cfg_file.read_text())
     tcfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    # transformers 5 otherwise gives a `model_type: qwen2` directory Qwen2Tokenizer, which encodes these
+    # words to nothing (seen inside the vLLM of the TRL + vLLM row)
+    tcfg["auto_map"] = {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}
     cfg_file.write_text(json.dumps(tcfg))
     cfg = Qwen2Config(vocab_size=v, hidden_size=SHAPE["hidden"], num_hidden_layers=SHAPE["layers"],
                       num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"],
@@ -404,45 +409,13 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
                       "measured": any(r is m for m in measured)} for i, r in enumerate(rows, 1)])
 
 
-def trl_steps(model_dir: Path, steps: int) -> None:
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+def trl_row(model_dir: Path, steps: int, vllm: dict | None = None, label: str = "") -> None:
+    """One TRL row (grpo_trl.py) on this benchmark's work."""
+    import grpo_trl
 
-    tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
-    tok.padding_side = "left"
-    g = torch.Generator().manual_seed(1)
-    prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, SHAPE["vocab"] - 3, (PROMPT_LEN,), generator=g))
-               for _ in range(PROMPTS * (steps + 2))]
-    times: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            self.t = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - self.t)
-
-    cfg = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=PROMPTS * K // 8,
-                     gradient_accumulation_steps=8, num_generations=K, max_completion_length=NEW,
-                     max_steps=steps + 1, learning_rate=1e-6, bf16=DEVICE == "cuda", use_cpu=DEVICE == "cpu", logging_steps=1, report_to="none",
-                     save_strategy="no", temperature=1.0, beta=0.0, use_vllm=False, gradient_checkpointing=False)
-    if DEVICE == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPE)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c) % 7) for c in completions],
-                          args=cfg, train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
-    trainer.add_callback(Timer())
-    trainer.train()
-    measured = times[1:]
-    result(what="trl", version=__import__("trl").__version__, steps_measured=len(measured),
-           step_s_median=round(statistics.median(measured), 3), step_s_min=round(min(measured), 3),
-           step_s_max=round(max(measured), 3), peak_gib=peak_gib())
-    del trainer, model
+    work = dict(vocab=SHAPE["vocab"], prompts=PROMPTS, k=K, new=NEW, prompt_len=PROMPT_LEN, device=DEVICE, dtype=DTYPE)
+    row = grpo_trl.trl_steps(model_dir, steps, work, vllm)
+    result(what="trl-vllm" if vllm is not None else "trl", label=label, **row)
 
 
 def write_outputs(out: Path) -> None:
@@ -462,9 +435,10 @@ def write_outputs(out: Path) -> None:
         name = f"rlcli ({r.get('backend', 'embedded')})" if r.get("label", "embedded") == "embedded" else f"rlcli ({r['label']}: {' '.join(r['overrides'])})"
         lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
                      f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r['train_mfu']} | {r['peak_gib']} |")
-    if "trl" in by:
-        r = by["trl"]
-        lines.append(f"| TRL {r['version']} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | - | - | - | - | - | {r['peak_gib']} |")
+    for r in RESULTS:
+        if r.get("what") in ("trl", "trl-vllm") and "error" not in r:
+            name = f"TRL {r['version']}" + (f" + vLLM {r['vllm']} colocate ({r['label'] or 'default'})" if "vllm" in r else "")
+            lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | - | - | - | - | - | {r['peak_gib']} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     if "rlcli" in by:
         import matplotlib
@@ -488,8 +462,11 @@ def write_outputs(out: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    for flag in ("ceilings", "engine", "rlcli", "trl", "all"):
-        ap.add_argument(f"--{flag}", action="store_true")
+    for flag in ("ceilings", "engine", "rlcli", "trl", "trl_vllm", "all"):
+        ap.add_argument(f"--{flag.replace('_', '-')}", action="store_true")
+    ap.add_argument("--trl-vllm-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="one more TRL + vLLM colocate run with these GRPOConfig settings, e.g. "
+                    "nosleep:vllm_enable_sleep_mode=false,vllm_gpu_memory_utilization=0.5 (repeatable)")
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
@@ -516,7 +493,7 @@ def main() -> None:
         args.ceilings = False
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     if args.all:
-        args.ceilings = args.engine = args.rlcli = args.trl = True
+        args.ceilings = args.engine = args.rlcli = args.trl = args.trl_vllm = True
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
     model_dir = make_model_dir(root / "model")
     data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
@@ -540,7 +517,14 @@ def main() -> None:
         label, _, sets = spec.partition(":")
         extra = [kv for kv in sets.split(",") if kv]
         sections.insert(2, (f"engine:{label}", lambda label=label, extra=extra: engine(model_dir, extra, label)))
-    sections.append(("trl", lambda: trl_steps(model_dir, args.steps)))  # same run as the main rlcli row
+    sections.append(("trl", lambda: trl_row(model_dir, args.steps)))  # same run as the main rlcli row
+    sections.append(("trl_vllm", lambda: trl_row(model_dir, args.steps, vllm={}, label="default")))
+    for spec in args.trl_vllm_variant:
+        import grpo_trl
+
+        label, settings = grpo_trl.parse_variant(spec)
+        sections.append((f"trl_vllm:{label}", lambda label=label, settings=settings: trl_row(
+            model_dir, args.steps, vllm=settings, label=label)))
     for spec in args.variant:
         label, _, sets = spec.partition(":")
         extra = [kv for kv in sets.split(",") if kv]

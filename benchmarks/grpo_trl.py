@@ -1,0 +1,107 @@
+"""The TRL rows of ``grpo_step.py``: GRPOTrainer on the benchmark's work, with transformers
+generate or with vLLM in colocate mode (the set-up a TRL user who cares about speed picks).
+
+Both rows get the same work as rlcli's: ``prompts`` prompts of ``prompt_len`` words × ``k``
+samples × ``new`` tokens, one optimizer step per batch, lr 1e-6, no KL, the length-mod-7 reward.
+A vLLM row takes its GRPOConfig settings from ``TRL_VLLM`` updated by the variant's own
+(``--trl-vllm-variant NAME:KEY=VALUE,...`` in grpo_step.py), so every setting a run used is stated
+in its result.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# GRPOConfig settings of the vLLM colocate row before any variant: the ones the 2026-12-03
+# measurement used. `vllm_max_model_length` is set per run to prompt + new tokens.
+TRL_VLLM = {
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_enable_sleep_mode": True,
+}
+
+
+def trl_config_kwargs(work: dict, steps: int, vllm: dict | None) -> dict:
+    """GRPOConfig keyword arguments for ``work`` (prompts, k, new, prompt_len, device) and ``steps``."""
+    cuda = work["device"] == "cuda"
+    kw = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=work["prompts"] * work["k"] // 8,
+              gradient_accumulation_steps=8, num_generations=work["k"], max_completion_length=work["new"],
+              max_steps=steps + 1, learning_rate=1e-6, bf16=cuda, use_cpu=not cuda, logging_steps=1,
+              report_to="none", save_strategy="no", temperature=1.0, beta=0.0, use_vllm=False,
+              gradient_checkpointing=False)
+    if vllm is not None:
+        kw.update(TRL_VLLM, vllm_max_model_length=work["prompt_len"] + work["new"],
+                  # full-length responses, as rlcli's benchmark recipe forces them
+                  generation_kwargs={"ignore_eos": True})
+        kw.update(vllm)
+    return kw
+
+
+def trl_steps(model_dir: Path, steps: int, work: dict, vllm: dict | None = None) -> dict:
+    """Time ``steps`` + 1 GRPO steps of TRL (the first is warm-up); the result row's fields."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    cuda = work["device"] == "cuda"
+    tok = PreTrainedTokenizerFast.from_pretrained(str(model_dir))
+    tok.padding_side = "left"
+    g = torch.Generator().manual_seed(1)
+    prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, work["vocab"] - 3, (work["prompt_len"],), generator=g))
+               for _ in range(work["prompts"] * (steps + 2))]
+    times: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            self.t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+
+    settings = trl_config_kwargs(work, steps, vllm)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=work["dtype"])
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c) % 7) for c in completions],
+                          args=GRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
+                          processing_class=tok)
+    startup = time.perf_counter() - t0
+    trainer.add_callback(Timer())
+    trainer.train()
+    measured = times[1:]
+    row = dict(version=__import__("trl").__version__, steps_measured=len(measured),
+               step_s_median=round(statistics.median(measured), 3), step_s_min=round(min(measured), 3),
+               step_s_max=round(max(measured), 3), startup_s=round(startup, 1),
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
+    if vllm is not None:
+        row["settings"] = {k: v for k, v in settings.items() if k.startswith("vllm_") or k == "generation_kwargs"}
+        row["vllm"] = __import__("vllm").__version__
+    if cuda:
+        row["device_used_gib"] = round((torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30, 1)
+    del trainer, model
+    return row
+
+
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """``NAME:KEY=VALUE,KEY=VALUE`` -> (NAME, settings); values read as YAML scalars."""
+    import yaml
+
+    label, _, sets = spec.partition(":")
+    out = {}
+    for kv in filter(None, sets.split(",")):
+        key, sep, value = kv.partition("=")
+        if not sep:
+            raise SystemExit(f"--trl-vllm-variant {spec!r}: {kv!r} is not KEY=VALUE")
+        out[key] = yaml.safe_load(value)
+    return label, out
