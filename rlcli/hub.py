@@ -126,8 +126,8 @@ def _snapshot(repo_id: str, field: str, need: Need, download: bool, offline: boo
         return Path(hh.hf_hub_download(repo_id, config, cache_dir=cache)).parent
     except errors.LocalEntryNotFoundError as exc:
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else f"the Hub could not be reached ({exc})"
-        partly = "is only partly in" if isinstance(exc, errors.IncompleteSnapshotError) or "no weights" in str(exc) \
-            else "is not in"
+        incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 1.x
+        partly = "is only partly in" if isinstance(exc, incomplete) or "no weights" in str(exc) else "is not in"
         raise ModelLocationError(field, "not_cached", f"{repo_id} {partly} the Hugging Face cache ({cache}) and "
                                  f"{why}; {fetch_hint(repo_id)}") from None
     except errors.GatedRepoError:
@@ -136,7 +136,7 @@ def _snapshot(repo_id: str, field: str, need: Need, download: bool, offline: boo
     except errors.RepositoryNotFoundError:
         raise ModelLocationError(field, "hub", f"no model {repo_id} on the Hugging Face Hub (or it is private: "
                                  "log in with `hf auth login`); a local directory must exist") from None
-    except (errors.EntryNotFoundError, errors.RemoteEntryNotFoundError):
+    except (errors.EntryNotFoundError, getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)):
         raise ModelLocationError(field, "not_model", f"{repo_id} on the Hub is not a Hugging Face "
                                  f"{'model: it has no config.json' if need == 'model' else 'tokenizer'}") from None
     except (errors.HfHubHTTPError, errors.HFValidationError, OSError) as exc:
