@@ -12,11 +12,14 @@ Three user errors, each its own text (:class:`ModelLocationError`, ``kind``):
 ``no_dir``      a path that does not exist
 ``not_cached``  a Hub id that is not in the cache while offline (or with the Hub unreachable);
                 the message gives the command that fetches it
-``not_model``   a directory or snapshot that is not a model (no ``config.json``)
+``not_model``   a directory or snapshot that is not a model (no ``config.json``) or, for
+                ``model.tokenizer``, holds no tokenizer files
 
 plus ``hub`` for what the Hub itself answers (no such repository, gated, no such revision).
 ``validate`` checks without downloading weights: a cached snapshot is read as is; online, an
 uncached id fetches ``config.json`` only (or the tokenizer's config, for ``model.tokenizer``).
+A snapshot already in the cache is used as it is, without asking the Hub for a newer revision
+(``hf download`` updates it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ Need = Literal["model", "tokenizer"]
 # Files a model download leaves out: other frameworks' and other runtimes' copies of the weights.
 _IGNORE = ["*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "onnx/*"]
 _TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
+_TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -78,10 +82,13 @@ def fetch_hint(repo_id: str) -> str:
 
 
 def _check_dir(path: Path, spec: str, field: str, need: Need) -> Path:
+    where = f"{spec} ({path})" if str(path) != spec else spec
     if need == "model" and not (path / "config.json").is_file():
-        where = f"{spec} ({path})" if str(path) != spec else spec
         raise ModelLocationError(field, "not_model", f"{where} is not a Hugging Face model: no config.json in it "
                                  "(point it at the directory that holds config.json and the weights)")
+    if need == "tokenizer" and not any((path / f).is_file() for f in _TOKENIZER_MARKERS):
+        raise ModelLocationError(field, "not_model", f"{where} is not a Hugging Face tokenizer: none of "
+                                 f"{', '.join(_TOKENIZER_MARKERS)} in it")
     return path
 
 

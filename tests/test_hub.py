@@ -108,3 +108,5 @@ def test_a_config_alone_validates_but_does_not_train_and_a_local_dir_needs_a_con
     with pytest.raises(ModelLocationError, match="no config.json") as err:
         locate(str(tmp_path))
     assert err.value.kind == "not_model"
+    with pytest.raises(ModelLocationError, match="is not a Hugging Face tokenizer") as err:
+        locate("org/notes", field="model.tokenizer", need="tokenizer")

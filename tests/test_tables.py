@@ -51,7 +51,8 @@ def stream(s, n=120):  # more than one epoch: the reshuffle too
     return [[(x.uid, x.group_id, x.prompt_text, x.label) for x in s.sample_group()] for _ in range(n)]
 
 
-def test_parquet_and_a_saved_dataset_give_the_jsonl_rows_stream_and_resume(arith, tok):
+def test_parquet_and_a_saved_dataset_give_the_jsonl_rows_stream_and_resume(arith, tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")  # load_dataset's cache
     ref = sampler(JsonlSampler, arith["jsonl"], tok)
     others = [sampler(ParquetSampler, arith["parquet"], tok), sampler(HfDatasetSampler, arith["saved"], tok),
               sampler(HfDatasetSampler, arith["parquet"], tok)]  # a data file, through load_dataset
