@@ -104,8 +104,9 @@ def locate(spec: str, *, field: str = "model.path", need: Need = "model", downlo
     if path.exists():
         raise ModelLocationError(field, "no_dir", f"{spec} is a file; expected a model directory or a Hub id (org/name)")
     if looks_like_path(spec):
-        raise ModelLocationError(field, "no_dir", f"no such directory: {path} (a local path; a Hub model id looks "
-                                 "like org/name)")
+        shown = spec if str(path.absolute()) == spec else f"{spec} ({path.absolute()})"
+        raise ModelLocationError(field, "no_dir", f"no such directory: {shown} (a local path; a Hub model id "
+                                 "looks like org/name)")
     snapshot = _snapshot(spec, field, need, download, is_offline(), str(hub_cache_dir()))
     return _check_dir(snapshot, spec, field, need)
 
@@ -135,8 +136,9 @@ def _snapshot(repo_id: str, field: str, need: Need, download: bool, offline: boo
         why = "HF_HUB_OFFLINE=1 forbids downloading" if offline else f"the Hub could not be reached ({exc})"
         incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 1.x
         partly = "is only partly in" if isinstance(exc, incomplete) or "no weights" in str(exc) else "is not in"
+        local = "" if "/" in repo_id else f" (if a local directory was meant: no such directory ./{repo_id})"
         raise ModelLocationError(field, "not_cached", f"{repo_id} {partly} the Hugging Face cache ({cache}) and "
-                                 f"{why}; {fetch_hint(repo_id)}") from None
+                                 f"{why}; {fetch_hint(repo_id)}{local}") from None
     except errors.GatedRepoError:
         raise ModelLocationError(field, "hub", f"{repo_id} is gated on the Hub: accept its terms on "
                                  f"https://huggingface.co/{repo_id} and log in with `hf auth login`") from None
