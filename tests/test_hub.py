@@ -110,3 +110,11 @@ def test_a_config_alone_validates_but_does_not_train_and_a_local_dir_needs_a_con
     assert err.value.kind == "not_model"
     with pytest.raises(ModelLocationError, match="is not a Hugging Face tokenizer") as err:
         locate("org/notes", field="model.tokenizer", need="tokenizer")
+
+
+def test_load_tokenizer_takes_a_hub_id(offline, tiny_llama):
+    from rlcli.tokenizer import load_tokenizer
+
+    assert load_tokenizer("org/tiny").get_vocab() == load_tokenizer(tiny_llama).get_vocab()
+    with pytest.raises(ModelLocationError, match="tokenizer: org/absent is not in the Hugging Face cache"):
+        load_tokenizer("org/absent")
