@@ -6,6 +6,7 @@
     rlcli plugins [--json]
     rlcli recipes
     rlcli data gsm8k IN OUT
+    rlcli data convert IN.jsonl OUT.parquet
 
 Overrides are dotted paths with YAML values (``trainer.seed=3``, ``tasks.0.judger.name=gsm8k``);
 ``~KEY`` deletes a key. Heavy imports (torch, transformers) happen inside the commands so that
@@ -160,13 +161,15 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
 def _path_errors() -> tuple[type[Exception], ...]:
     """Errors that end ``train`` and ``eval`` with their message and exit 2, each naming its file or
     field: a checkpoint refused (unsafe or damaged), a write that failed (a full disk), a data file
-    with no usable row and a judger the default process executor cannot pickle."""
+    with no usable row, a judger the default process executor cannot pickle and a model that
+    cannot be found or fetched."""
     from rlcli.data.base import DataError
     from rlcli.fsutil import WriteError
+    from rlcli.hub import ModelLocationError
     from rlcli.judgers.pool import JudgerNotPicklable
     from rlcli.train.checkpoint_files import CheckpointError
 
-    return CheckpointError, WriteError, DataError, JudgerNotPicklable
+    return CheckpointError, WriteError, DataError, JudgerNotPicklable, ModelLocationError
 
 
 def _check_launch(recipe: str, rec, world_size: int) -> None:
@@ -256,6 +259,31 @@ def data_gsm8k(in_path: str, out_path: str) -> None:
     click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} malformed rows" if skipped else ""))
     for msg in skipped:  # every one, located
         click.secho(f"  {msg}", fg="yellow", err=True)
+
+
+@data.command("convert")
+@click.argument("in_path", type=click.Path(exists=True, dir_okay=False))
+@click.argument("out_path", type=click.Path(dir_okay=False))
+def data_convert(in_path: str, out_path: str) -> None:
+    """RL JSONL <-> verl-format parquet, by the files' suffixes (.jsonl / .parquet); bad rows are
+    left out and listed (needs `pip install 'rlcli[data]'`)."""
+    from rlcli.data.base import DataError
+    from rlcli.data.tables import jsonl_to_parquet, parquet_to_jsonl
+
+    kinds = (Path(in_path).suffix, Path(out_path).suffix)
+    convert = {(".jsonl", ".parquet"): jsonl_to_parquet, (".parquet", ".jsonl"): parquet_to_jsonl}.get(kinds)
+    if convert is None:
+        _fail(f"cannot convert {in_path} to {out_path}: convert goes from .jsonl to .parquet or from .parquet "
+              "to .jsonl (name the files so)", EXIT_RECIPE_ERROR)
+    try:
+        written, skipped = convert(in_path, out_path)
+    except DataError as exc:
+        _fail(str(exc), EXIT_RECIPE_ERROR)
+    except OSError as exc:
+        _fail(f"cannot convert {in_path} to {out_path}: {exc.strerror or exc}", EXIT_RECIPE_ERROR)
+    click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} bad rows" if skipped else ""))
+    for row in skipped:  # every one, located
+        click.secho(f"  {row}", fg="yellow", err=True)
 
 
 @data.command("arith")

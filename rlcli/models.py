@@ -1,4 +1,4 @@
-"""Model directories: a user's HF model, or a from-scratch model materialised into the work dir.
+"""Model directories: a user's HF model (a directory or a Hub id, :mod:`rlcli.hub`), or a from-scratch model materialised into the work dir.
 
 Every component that needs weights (trainer, inference backend, exporter) reads one Hugging
 Face directory, so a from-scratch model is first written to ``<work_dir>/model-init``
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from rlcli.fsutil import publish_dir
+from rlcli.hub import locate
 from rlcli.tokenizer import BUILTIN_PREFIX, load_tokenizer, save_tokenizer
 
 _ARCH_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
@@ -64,11 +65,8 @@ def build_from_scratch(arch: str, spec: dict, tokenizer, seed: int, out_dir: str
 
 def prepare_model_dir(model_cfg, work_dir: str | Path, seed: int) -> Path:
     """The HF directory of the initial policy for a recipe's ``model`` section."""
-    if model_cfg.path is not None:
-        path = Path(model_cfg.path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.path: no config.json in {path}")
-        return path
+    if model_cfg.path is not None:  # a directory or a Hub id (downloaded unless offline)
+        return locate(model_cfg.path, field="model.path", need="model")
     out = Path(work_dir) / "model-init"
     if (out / "config.json").exists():
         return out
@@ -82,7 +80,7 @@ def prepare_model_dir(model_cfg, work_dir: str | Path, seed: int) -> Path:
 def tokenizer_source(model_cfg, model_dir: str | Path) -> str:
     """Where the run's tokenizer comes from: an explicit model.tokenizer or the model dir."""
     if model_cfg.tokenizer and not str(model_cfg.tokenizer).startswith(BUILTIN_PREFIX):
-        return str(model_cfg.tokenizer)
+        return str(locate(str(model_cfg.tokenizer), field="model.tokenizer", need="tokenizer"))
     return str(model_dir)
 
 

@@ -66,13 +66,16 @@ def builtin_tokenizer(name: str) -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
-    """Load ``builtin:<name>`` or a tokenizer directory (offline; never downloads)."""
+    """Load ``builtin:<name>``, a tokenizer directory or a Hub id (``org/name``: the Hugging Face
+    cache, downloading only when online, :func:`rlcli.hub.locate`)."""
+    from rlcli.hub import locate
+
     spec = str(spec)
     if spec.startswith(BUILTIN_PREFIX):
         return builtin_tokenizer(spec[len(BUILTIN_PREFIX):])
     path = Path(spec)
-    if not path.exists():
-        raise FileNotFoundError(f"tokenizer directory not found: {path}")
+    if not path.is_dir():
+        path = locate(spec, field="tokenizer", need="tokenizer")  # ModelLocationError: which case, and the fix
     cfg_file = path / "tokenizer_config.json"
     tcfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
     if tcfg.get("rlcli_builtin") or tcfg.get("tokenizer_class") == "PreTrainedTokenizerFast":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rlcli.config.issues import Issue
@@ -35,10 +34,12 @@ def model_shape(model: ModelConfig) -> tuple[dict[str, int], str] | None:
         return shape, "model.from_scratch"
     if model.path is None:
         return None
-    cfg_path = Path(model.path).expanduser() / "config.json"
+    from rlcli.hub import ModelLocationError, locate
+
     try:
+        cfg_path = locate(model.path, download=False) / "config.json"
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, ModelLocationError):
         return None
     if isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):  # a multimodal model's language part
         cfg = {**cfg, **cfg["text_config"]}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlcli.config.issues import Issue
 from rlcli.config.placement import _check_disaggregated
 
@@ -77,8 +75,8 @@ def _check_rules(raw: dict, issues: list[Issue]) -> None:
             issues.append(Issue("model", "set exactly one of model.path and model.from_scratch"))
         if m.get("from_scratch") is not None and not m.get("tokenizer"):
             issues.append(Issue("model.tokenizer", "required with model.from_scratch (e.g. 'builtin:arith')"))
-        if isinstance(m.get("path"), str) and not (Path(m["path"]).expanduser() / "config.json").is_file():
-            issues.append(Issue("model.path", f"not a Hugging Face model directory (no config.json): {m['path']}"))
+        if isinstance(m.get("path"), str):
+            _check_location(m["path"], "model.path", "model", issues)
         tok = m.get("tokenizer")
         if isinstance(tok, str) and tok.startswith("builtin:"):
             from rlcli.tokenizer import BUILTIN_TOKENIZERS
@@ -86,8 +84,18 @@ def _check_rules(raw: dict, issues: list[Issue]) -> None:
             if tok[len("builtin:"):] not in BUILTIN_TOKENIZERS:
                 issues.append(Issue("model.tokenizer", f"unknown built-in tokenizer {tok!r}; available: "
                                     + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_TOKENIZERS))))
-        elif isinstance(tok, str) and not Path(tok).expanduser().is_dir():
-            issues.append(Issue("model.tokenizer", f"tokenizer directory not found: {tok}"))
+        elif isinstance(tok, str):
+            _check_location(tok, "model.tokenizer", "tokenizer", issues)
+
+
+def _check_location(spec: str, field: str, need, issues: list[Issue]) -> None:
+    """A directory or a Hub id (cached, or online), checked without downloading weights."""
+    from rlcli.hub import ModelLocationError, locate
+
+    try:
+        locate(spec, field=field, need=need, download=False)
+    except ModelLocationError as exc:
+        issues.append(Issue(field, exc.message))
 
 
 def _check_tasks(tasks: list, where: str, issues: list[Issue]) -> None:

@@ -27,10 +27,11 @@ class FromScratch(Strict):
 
 
 class ModelConfig(Strict):
-    path: str | None = Field(None, description="A local Hugging Face model directory.")
+    path: str | None = Field(None, description="A Hugging Face model: a local directory, or a Hub id (org/name) "
+                             "downloaded to the Hugging Face cache (read from it with HF_HUB_OFFLINE=1).")
     from_scratch: FromScratch | None = Field(None, description="Random-init architecture instead of `path`.")
     tokenizer: str | None = Field(
-        None, description="Tokenizer directory, or 'builtin:<name>'; defaults to `path`."
+        None, description="Tokenizer directory or Hub id (org/name), or 'builtin:<name>'; defaults to `path`."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on GPU, float32 on CPU."

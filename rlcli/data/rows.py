@@ -1,7 +1,11 @@
-"""Reading an RL JSONL file row by row: every bad row is located (``file:line``), skipped and given
-its reason; nothing in a row can stop the reading.
+"""Reading RL rows one by one: every bad row is located (``file:line``), skipped and given its
+reason; nothing in a row can stop the reading.
 
-A line is a usable :class:`Row` when it passes, in this order:
+A source turns its rows into records (:data:`Record`: a number and the row's JSON text): a JSONL
+file one per non-blank line, numbered by line (:func:`jsonl_records`); a parquet file or a Hugging
+Face dataset one per table row, counted from 1 (:mod:`rlcli.data.tables`). Every source's records
+then take the same path (:func:`parse_records`), so all formats are checked, located, skipped and
+counted alike. A record is a usable :class:`Row` when it passes, in this order:
 
 ``size``          at most ``max_row_bytes`` bytes (default 1 MiB); a longer line is skipped without
                   being read into memory whole
@@ -12,7 +16,8 @@ A line is a usable :class:`Row` when it passes, in this order:
 ``empty_prompt``  some non-system message has non-blank content
 ``no_label``      ``reward_model.ground_truth`` is present and not blank (with ``require_label``)
 
-Otherwise the reader yields a :class:`SkippedRow` with that ``kind``. Blank lines are not rows.
+Otherwise the reader yields a :class:`SkippedRow` with that ``kind``. Blank lines are not rows. A
+table row holding a value JSON cannot (bytes, a timestamp) is a ``json`` row.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple, Union
 
 DEFAULT_MAX_ROW_BYTES = 1 << 20  # 1 MiB: GSM8K rows are about 1 KB, a 100k-token prompt about 400 KB
 _CHUNK = 1 << 16
@@ -52,6 +57,16 @@ class _Bad(ValueError):
     def __init__(self, kind: str, reason: str):
         super().__init__(reason)
         self.kind = kind
+
+
+# One row as read from its source, before any check: its number (the JSONL line, or the table row
+# counted from 1) and its JSON text, or what already makes it unusable (a line too long to read).
+Record = tuple[int, Union[bytes, _Bad]]
+
+
+def bad_record(kind: str, reason: str) -> _Bad:
+    """A record a source cannot turn into JSON text (``kind`` as in the module doc)."""
+    return _Bad(kind, reason)
 
 
 def _messages(prompt: Any) -> list[dict]:
@@ -109,6 +124,20 @@ def _lines(f, max_bytes: int | None) -> Iterator[tuple[int, bytes | None, int]]:
         yield lineno, None, size - line.endswith(b"\n")
 
 
+def _too_long(size: int, max_row_bytes: int | None) -> _Bad:
+    return _Bad("size", f"row of {size:,} bytes is longer than max_row_bytes={max_row_bytes:,} "
+                "(raise the sampler's max_row_bytes to keep such rows)")
+
+
+def jsonl_records(f, max_row_bytes: int | None) -> Iterator[Record]:
+    """The records of a JSONL file opened in binary: one per non-blank line, numbered by line."""
+    for lineno, line, size in _lines(f, max_row_bytes):
+        if line is None:
+            yield lineno, _too_long(size, max_row_bytes)
+        elif line.strip():
+            yield lineno, line
+
+
 def _decode(line: bytes, first: bool) -> str:
     try:
         return line.decode("utf-8-sig" if first else "utf-8")
@@ -117,41 +146,68 @@ def _decode(line: bytes, first: bool) -> str:
                    f"{line[exc.start:exc.start + 4]!r}); the file must be UTF-8") from None
 
 
+def decode_records(records: Iterable[Record], where: str, *,
+                   max_row_bytes: int | None = DEFAULT_MAX_ROW_BYTES) -> Iterator[tuple[int, Any] | SkippedRow]:
+    """``(number, decoded JSON value)`` of every record, or a :class:`SkippedRow` (size, encoding, json)."""
+    for n, data in records:
+        try:
+            if isinstance(data, _Bad):
+                raise data
+            size = len(data.rstrip(b"\n"))
+            if max_row_bytes is not None and size > max_row_bytes:
+                raise _too_long(size, max_row_bytes)
+            try:
+                yield n, json.loads(_decode(data, n == 1))
+            except json.JSONDecodeError as exc:
+                raise _Bad("json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+            except RecursionError:
+                raise _Bad("json", "invalid JSON (nested too deeply)") from None
+        except _Bad as bad:
+            yield SkippedRow(where, n, bad.kind, str(bad))
+
+
+def parse_records(records: Iterable[Record], where: str, *, max_row_bytes: int | None = DEFAULT_MAX_ROW_BYTES,
+                  require_label: bool = True) -> Iterator[Row | SkippedRow]:
+    """Every record of a source as a :class:`Row` or a :class:`SkippedRow` (the module doc's checks).
+
+    This is the one path every dataset format takes once its rows are read; ``where`` names the
+    file in the skipped rows.
+    """
+    for item in decode_records(records, where, max_row_bytes=max_row_bytes):
+        if isinstance(item, SkippedRow):
+            yield item
+            continue
+        n, obj = item
+        try:
+            yield Row(n, *parse_row(obj, require_label))
+        except _Bad as bad:
+            yield SkippedRow(where, n, bad.kind, str(bad))
+
+
 def read_rows(path: str | Path, *, max_row_bytes: int | None = DEFAULT_MAX_ROW_BYTES,
               require_label: bool = True) -> Iterator[Row | SkippedRow]:
-    """Every row of ``path`` in file order, each a :class:`Row` or a :class:`SkippedRow`.
+    """Every row of the JSONL file ``path`` in file order, each a :class:`Row` or a :class:`SkippedRow`.
 
     ``OSError`` only when the file cannot be opened or read; a bad row never raises.
     """
-    where = str(path)
     with open(path, "rb") as f:
-        for lineno, line, size in _lines(f, max_row_bytes):
-            try:
-                if line is None:
-                    raise _Bad("size", f"row of {size:,} bytes is longer than max_row_bytes={max_row_bytes:,} "
-                               "(raise the sampler's max_row_bytes to keep such rows)")
-                if not line.strip():
-                    continue
-                text = _decode(line, lineno == 1)
-                try:
-                    obj = json.loads(text)
-                except json.JSONDecodeError as exc:
-                    raise _Bad("json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-                except RecursionError:
-                    raise _Bad("json", "invalid JSON (nested too deeply)") from None
-                yield Row(lineno, *parse_row(obj, require_label))
-            except _Bad as bad:
-                yield SkippedRow(where, lineno, bad.kind, str(bad))
+        yield from parse_records(jsonl_records(f, max_row_bytes), str(path), max_row_bytes=max_row_bytes,
+                                 require_label=require_label)
 
 
-def first_usable_row(path: str | Path, **limits: Any) -> tuple[Row | None, list[SkippedRow]]:
-    """The first usable row of ``path`` (None if there is none) and the rows skipped before it."""
+def first_usable(rows: Iterable[Row | SkippedRow]) -> tuple[Row | None, list[SkippedRow]]:
+    """The first usable row (None if there is none) and the rows skipped before it."""
     skipped: list[SkippedRow] = []
-    for r in read_rows(path, **limits):
+    for r in rows:
         if isinstance(r, Row):
             return r, skipped
         skipped.append(r)
     return None, skipped
+
+
+def first_usable_row(path: str | Path, **limits: Any) -> tuple[Row | None, list[SkippedRow]]:
+    """The first usable row of the JSONL file ``path`` and the rows skipped before it."""
+    return first_usable(read_rows(path, **limits))
 
 
 def summarize(skipped: list[SkippedRow]) -> str:

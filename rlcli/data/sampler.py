@@ -1,4 +1,6 @@
-"""The ``jsonl`` sampler: RL JSONL prompts handed out as groups of ``prompt_repeat_k``.
+"""The ``jsonl``, ``parquet`` and ``hf_dataset`` samplers: RL prompts handed out as groups of
+``prompt_repeat_k``. They differ only in where the rows come from (:meth:`RowSampler.read`);
+everything after reading is one code path (:class:`RowSampler`).
 
 One object per line (verl / XTuner RL format)::
 
@@ -7,11 +9,14 @@ One object per line (verl / XTuner RL format)::
      "reward_model": {"ground_truth": "72"},
      "extra_info": {...}}
 
-``prompt`` may also be a plain string (a single user message). Every bad row (over
+``prompt`` may also be a plain string (a single user message). ``parquet`` reads verl's parquet
+files as they are (the same fields as columns, plus ``ability``) and ``hf_dataset`` a Hugging Face
+dataset (a ``save_to_disk`` directory, or data files through ``load_dataset``); their rows are
+numbered from 1, like lines (:mod:`rlcli.data.tables`). Every bad row (over
 ``max_row_bytes``, not UTF-8, not JSON, the wrong shape, an empty prompt, no label: see
 :mod:`rlcli.data.rows`) is skipped, located with ``file:line`` and counted (``data/skipped_rows``);
 so are rows whose chat template fails. Prompts longer than ``max_prompt_length`` tokens are
-dropped too. :meth:`JsonlSampler.skipped_rows` lists every row left out, with its reason (the
+dropped too. :meth:`RowSampler.skipped_rows` lists every row left out, with its reason (the
 runner writes them to ``skipped_rows.jsonl``); a file with no usable row is refused when the
 recipe is validated. The stream is infinite: after the last prompt the next epoch starts with a
 fresh permutation seeded by ``seed + epoch``. Position, epoch and the group counter are saved in
@@ -25,7 +30,7 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterator
 
 from pydantic import Field
 
@@ -33,7 +38,7 @@ from rlcli import hookimpl
 from rlcli.component import ComponentConfig
 from rlcli.data.base import DataError, Sampler
 from rlcli.data.rows import (
-    DEFAULT_MAX_ROW_BYTES, Row, SkippedRow, first_usable_row, no_usable_row_message, read_rows, summarize,
+    DEFAULT_MAX_ROW_BYTES, Row, SkippedRow, first_usable, no_usable_row_message, parse_records, read_rows, summarize,
 )
 from rlcli.types import Sample
 
@@ -78,21 +83,33 @@ class Prompt:
         self.data_source, self.reward_model, self.extra_info = data_source, reward_model, extra_info
 
 
-class JsonlSampler(Sampler):
-    """Prompts from an RL JSONL file, shuffled per epoch, in groups of prompt_repeat_k."""
+class RowSampler(Sampler):
+    """Prompts from a dataset of RL rows, shuffled per epoch, in groups of prompt_repeat_k; a
+    subclass says only how to read the rows (:meth:`read`) and whether the path holds a dataset."""
 
-    name: ClassVar[str] = "jsonl"
     Config: ClassVar[type[JsonlSamplerConfig]] = JsonlSamplerConfig
+
+    @classmethod
+    def read(cls, path: Path, cfg: JsonlSamplerConfig) -> Iterator[Row | SkippedRow]:
+        """Every row at ``path`` in order, usable or skipped (``OSError`` or :class:`DataError` when the
+        dataset itself cannot be read)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def found(path: Path) -> bool:
+        return path.is_file()
 
     @classmethod
     def check_config(cls, cfg: JsonlSamplerConfig) -> list[tuple[str, str]]:
         p = resolve_data_path(cfg.path)
-        if not p.is_file():
+        if not cls.found(p):
             return [("path", f"data file not found: {p}")]
         try:  # cheap: reads only up to the first usable row
-            row, skipped = first_usable_row(p, max_row_bytes=cfg.max_row_bytes, require_label=cfg.require_label)
+            row, skipped = first_usable(cls.read(p, cfg))
         except OSError as exc:
             return [("path", f"cannot read the data file {p}: {exc.strerror or exc}")]
+        except DataError as exc:
+            return [("path", str(exc))]
         return [] if row is not None else [("path", no_usable_row_message(p, skipped))]
 
     def __init__(self, config: JsonlSamplerConfig, *, tokenizer, task_name: str, seed: int):
@@ -117,12 +134,12 @@ class JsonlSampler(Sampler):
 
     # ---------------------------------------------------------------------------------- load
     def _load(self) -> list[Prompt]:
-        if not self.path.is_file():
+        if not self.found(self.path):
             raise DataError(f"task {self.task_name!r}: data file not found: {self.path}")
         cfg = self.config
         rows: list[Row] = []
         try:
-            for r in read_rows(self.path, max_row_bytes=cfg.max_row_bytes, require_label=cfg.require_label):
+            for r in self.read(self.path, cfg):
                 (rows if isinstance(r, Row) else self.skipped).append(r)
         except OSError as exc:
             raise DataError(f"cannot read the data file {self.path}: {exc.strerror or exc}") from None
@@ -259,6 +276,60 @@ class JsonlSampler(Sampler):
         self._order = self._permutation(self.epoch)
 
 
+class JsonlSampler(RowSampler):
+    """Prompts from an RL JSONL file, shuffled per epoch, in groups of prompt_repeat_k."""
+
+    name: ClassVar[str] = "jsonl"
+    Config: ClassVar[type[JsonlSamplerConfig]] = JsonlSamplerConfig
+
+    @classmethod
+    def read(cls, path: Path, cfg: JsonlSamplerConfig) -> Iterator[Row | SkippedRow]:
+        return read_rows(path, max_row_bytes=cfg.max_row_bytes, require_label=cfg.require_label)
+
+
+class ParquetSamplerConfig(JsonlSamplerConfig):
+    path: str = Field(..., description="verl-format parquet file (data_source, prompt, ability, reward_model, "
+                      "extra_info columns; relative: to the working dir, else to the recipe's dir).")
+
+
+class ParquetSampler(RowSampler):
+    """Prompts from a verl-format parquet file (pyarrow: ``pip install 'rlcli[data]'``), as ``jsonl``."""
+
+    name: ClassVar[str] = "parquet"
+    Config: ClassVar[type[ParquetSamplerConfig]] = ParquetSamplerConfig
+
+    @classmethod
+    def read(cls, path: Path, cfg: JsonlSamplerConfig) -> Iterator[Row | SkippedRow]:
+        from rlcli.data.tables import parquet_records
+
+        return parse_records(parquet_records(path), str(path), max_row_bytes=cfg.max_row_bytes,
+                             require_label=cfg.require_label)
+
+
+class HfDatasetSamplerConfig(JsonlSamplerConfig):
+    path: str = Field(..., description="A Hugging Face dataset: a save_to_disk directory (load_from_disk), a "
+                      "directory of data files or one data file (load_dataset), with verl's columns.")
+    split: str = Field("train", description="The split to read (a DatasetDict's key, or the data files' split).")
+
+
+class HfDatasetSampler(RowSampler):
+    """Prompts from a Hugging Face dataset (``pip install 'rlcli[data]'``), as ``jsonl``."""
+
+    name: ClassVar[str] = "hf_dataset"
+    Config: ClassVar[type[HfDatasetSamplerConfig]] = HfDatasetSamplerConfig
+
+    @staticmethod
+    def found(path: Path) -> bool:
+        return path.exists()
+
+    @classmethod
+    def read(cls, path: Path, cfg: HfDatasetSamplerConfig) -> Iterator[Row | SkippedRow]:
+        from rlcli.data.tables import hf_dataset_records
+
+        return parse_records(hf_dataset_records(path, cfg.split), str(path), max_row_bytes=cfg.max_row_bytes,
+                             require_label=cfg.require_label)
+
+
 @hookimpl
 def register_samplers():
-    return [JsonlSampler]
+    return [JsonlSampler, ParquetSampler, HfDatasetSampler]
