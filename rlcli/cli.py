@@ -4,6 +4,7 @@
     rlcli eval RECIPE [--checkpoint DIR] [KEY=VALUE ...]
     rlcli validate RECIPE [KEY=VALUE ...] [--nproc-per-node N]
     rlcli plugins [--json]
+    rlcli new judger|agent-loop NAME [--dir DIR]
     rlcli recipes
     rlcli data gsm8k IN OUT
 

@@ -57,9 +57,14 @@ def test_generated_packages_install_pass_their_tests_validate_and_train(installe
         commands += [["validate", str(recipe)],
                      ["train", str(recipe), "--quiet", "--work-dir", str(root / f"run-{kind}"),
                       "trainer.total_train_steps=2"]]
-    r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(commands)], cwd=root, env=env, capture_output=True,
-                       text=True, timeout=300)
-    test_output = tests.communicate(timeout=300)[0]
+    try:
+        r = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(commands)], cwd=root, env=env,
+                           capture_output=True, text=True, timeout=300)
+        test_output = tests.communicate(timeout=300)[0]
+    finally:
+        if tests.poll() is None:
+            tests.kill()
+            tests.wait()
     assert r.returncode == 0 and "RESULTS " in r.stdout, r.stdout + r.stderr
     (listed, *runs) = json.loads(r.stdout.split("RESULTS ", 1)[1])
     for res in [listed, *runs]:

@@ -69,7 +69,8 @@ def package_files(kind: str, names: Names) -> dict[str, str]:
               "Class": cls, "kind": kind, "kind_title": tpl.title, "hook": tpl.hook}
     files = {
         "pyproject.toml": templates.PYPROJECT,
-        "README.md": templates.README.replace("{{use}}", tpl.readme_use),
+        "README.md": templates.README.replace("{{readme_yaml}}", tpl.readme_yaml)
+                                     .replace("{{readme_text}}", tpl.readme_text),
         ".gitignore": templates.GITIGNORE,
         f"{names.module}/__init__.py": tpl.module,
         f"tests/test_{names.name}.py": tpl.tests,

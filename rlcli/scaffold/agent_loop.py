@@ -242,20 +242,16 @@ RECIPE_EVAL_TASK = '''\
         answer_max_tokens: 1
       judger: {name: exact_match, executor: inline}'''
 
-README_USE = '''\
-```yaml
-tasks:
-  - task_name: chat
-    sampler: {name: jsonl, path: data/chat.jsonl, prompt_repeat_k: 8}
+README_YAML = '''\
     agent_loop:
       name: {{name}}
       sample_params: {max_tokens: 256, temperature: 1.0}   # the budget of the whole response
       turns: 2                # answers at most; the judger reads the last one
       follow_up: " again? "   # inserted after each answer but the last, never trained on
       answer_max_tokens: 64   # an answer ends at EOS or at this length (default: only at EOS)
-    judger: {name: exact_match}
-```
+    judger: {name: exact_match}'''
 
+README_TEXT = '''\
 Change `reply` in `{{module}}/__init__.py` to decide what the loop inserts after each answer (an
 environment's observation, a simulated user's message, a hint) or to end the episode early. The
 text is tokenized once and appended with `response_mask` 0, so the model is never trained on it.'''
@@ -263,5 +259,6 @@ text is tokenized once and appended with `response_mask` 0, so the model is neve
 TEMPLATE = KindTemplate(
     title="agent loop", registry_kind="agent_loop", hook="register_agent_loops", class_suffix="Loop",
     module=MODULE, tests=TESTS, tokenizer="builtin:digits", recipe_task=RECIPE_TASK,
-    recipe_eval_task=RECIPE_EVAL_TASK, readme_use=README_USE,
+    recipe_eval_task=RECIPE_EVAL_TASK, readme_yaml=README_YAML,
+    readme_text=README_TEXT,
 )

@@ -132,24 +132,20 @@ RECIPE_EVAL_TASK = '''\
         sample_params: {max_tokens: 1, temperature: 0.0}
       judger: {name: {{name}}, executor: inline}'''
 
-README_USE = '''\
-```yaml
-tasks:
-  - task_name: math
-    sampler: {name: jsonl, path: data/math.jsonl, prompt_repeat_k: 8}
+README_YAML = '''\
     judger:
       name: {{name}}
       correct_score: 1.0     # the last number of the response equals the label
       wrong_score: 0.0       # anything else
       timeout_s: 30          # per call; a slower call fails its sample, the run goes on
-      executor: process      # default: calls run in worker processes (inline: in the event loop)
-```
+      executor: process      # default: calls run in worker processes (inline: in the event loop)'''
 
+README_TEXT = '''\
 The label is `reward_model.ground_truth` of each data row. `judge` returns
 `{"score": float, "acc": bool}`; `rlcli validate` checks the options above before any model loads.'''
 
 TEMPLATE = KindTemplate(
     title="judger", registry_kind="judger", hook="register_judgers", class_suffix="Judger", module=MODULE,
     tests=TESTS, tokenizer="builtin:digits", recipe_task=RECIPE_TASK, recipe_eval_task=RECIPE_EVAL_TASK,
-    readme_use=README_USE,
+    readme_yaml=README_YAML, readme_text=README_TEXT,
 )

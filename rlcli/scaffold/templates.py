@@ -23,7 +23,8 @@ class KindTemplate:
     tokenizer: str  # the recipe's built-in tokenizer
     recipe_task: str  # the training task's agent_loop and judger (indented 4)
     recipe_eval_task: str  # the eval task's (indented 6)
-    readme_use: str  # the README's "Use" section after its heading
+    readme_yaml: str  # the README's recipe snippet: the component's section of a task (indented 4)
+    readme_text: str  # the README's words after that snippet
 
 
 PYPROJECT = '''\
@@ -80,7 +81,14 @@ to configure.
 
 ## Use
 
-{{use}}
+```yaml
+tasks:
+  - task_name: my_task
+    sampler: {name: jsonl, path: data/my_task.jsonl, prompt_repeat_k: 8}
+{{readme_yaml}}
+```
+
+{{readme_text}}
 
 ## Test
 
@@ -96,18 +104,19 @@ once the package is installed, when rlcli finds the component by name.
 
 ```bash
 rlcli validate recipes/{{name}}.yaml
-rlcli train recipes/{{name}}.yaml       # seconds on a CPU; outputs in work_dirs/{{name}}/
+rlcli train recipes/{{name}}.yaml       # 50 steps, under a minute on a CPU; outputs in work_dirs/{{name}}/
 rlcli train recipes/{{name}}.yaml trainer.total_train_steps=2 --work-dir /tmp/{{name}}-smoke
 ```
 
 The recipe is rlcli's quickstart task (the last digit of `a + b`, 100 prompts in
 `recipes/data/arith.jsonl`) with a from-scratch two-layer model and a built-in tokenizer: no
-download. For real work set `model.path` to a Hugging Face model and `sampler.path` to your
-data.
+download. 50 steps show the run works; the quickstart trains its 300 (`trainer.total_train_steps=300`).
+For real work set `model.path` to a Hugging Face model (and drop `model.from_scratch` and
+`model.tokenizer`) and `sampler.path` to your data.
 '''
 
 RECIPE = '''\
-description: The {{name}} {{kind_title}} on the quickstart's toy task (the last digit of a+b), CPU, seconds.
+description: The {{name}} {{kind_title}} on the quickstart's toy task (the last digit of a+b), CPU, under a minute.
 # rlcli train recipes/{{name}}.yaml [trainer.total_train_steps=2 ...]
 # Written by `rlcli new {{kind}} {{name}}`. No download: the model is random-init, the tokenizer
 # is built in, the data is recipes/data/arith.jsonl (paths are relative to this file).
