@@ -42,11 +42,11 @@ class Names:
     cls: str
 
     @classmethod
-    def parse(cls, raw: str) -> "Names":
+    def parse(cls, raw: str) -> Names:
         """Normalise ``raw`` (dashes become underscores, a leading ``rlcli-`` is dropped) or raise
         :class:`ScaffoldError` saying what a NAME may hold."""
         name = raw.strip().replace("-", "_")
-        name = name[len("rlcli_"):] if name.startswith("rlcli_") else name
+        name = name.removeprefix("rlcli_")
         if not _NAME.fullmatch(name):
             raise ScaffoldError(
                 f"invalid NAME {raw!r}: use lower-case letters and digits, starting with a letter, words "
@@ -67,16 +67,16 @@ def package_files(kind: str, names: Names) -> dict[str, str]:
     cls = names.cls if names.cls.endswith(tpl.class_suffix) else names.cls + tpl.class_suffix
     values = {"name": names.name, "dist": names.dist, "module": names.module, "Cls": names.cls,
               "Class": cls, "kind": kind, "kind_title": tpl.title, "hook": tpl.hook}
+    parts = {"tokenizer": tpl.tokenizer, "recipe_task": tpl.recipe_task, "recipe_eval_task": tpl.recipe_eval_task,
+             "readme_yaml": tpl.readme_yaml, "readme_text": tpl.readme_text}
+    values.update({key: render(text, values) for key, text in parts.items()})
     files = {
         "pyproject.toml": templates.PYPROJECT,
-        "README.md": templates.README.replace("{{readme_yaml}}", tpl.readme_yaml)
-                                     .replace("{{readme_text}}", tpl.readme_text),
+        "README.md": templates.README,
         ".gitignore": templates.GITIGNORE,
         f"{names.module}/__init__.py": tpl.module,
         f"tests/test_{names.name}.py": tpl.tests,
-        f"recipes/{names.name}.yaml": templates.RECIPE.replace("{{recipe_task}}", tpl.recipe_task)
-                                                       .replace("{{recipe_eval_task}}", tpl.recipe_eval_task)
-                                                       .replace("{{tokenizer}}", tpl.tokenizer),
+        f"recipes/{names.name}.yaml": templates.RECIPE,
     }
     out = {path: render(text, values) for path, text in files.items()}
     out["recipes/data/arith.jsonl"] = _arith_jsonl()

@@ -2,7 +2,9 @@
 
 Texts hold ``{{key}}`` placeholders (:func:`rlcli.scaffold.render`): ``name`` (the component's
 name in recipes, also the entry point's), ``dist``, ``module``, ``Class`` (the component's
-class), ``Cls`` (the prefix of the other class names), ``kind``, ``kind_title``, ``hook``.
+class), ``Cls`` (the prefix of the other class names), ``kind``, ``kind_title``, ``hook``, and
+the fields of :class:`KindTemplate` that the shared files take (``tokenizer``, ``recipe_task``,
+``recipe_eval_task``, ``readme_yaml``, ``readme_text``; themselves rendered first).
 """
 
 from __future__ import annotations
