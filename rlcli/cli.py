@@ -4,6 +4,7 @@
     rlcli eval RECIPE [--checkpoint DIR] [KEY=VALUE ...]
     rlcli validate RECIPE [KEY=VALUE ...] [--nproc-per-node N]
     rlcli plugins [--json]
+    rlcli new judger|agent-loop NAME [--dir DIR]
     rlcli recipes
     rlcli data gsm8k IN OUT
     rlcli data convert IN.jsonl OUT.parquet
@@ -320,6 +321,42 @@ def data_tool_arith(out_dir: str, n_train: int, n_test: int, seed: int) -> None:
 
     paths = write_tool_arith(out_dir, n_train, n_test, seed)
     click.echo("wrote " + ", ".join(str(p) for p in paths))
+
+
+@cli.group()
+def new() -> None:
+    """Start a plugin: a package skeleton (component, tests with rlcli.testing, recipe) in a new folder."""
+
+
+def _new(kind: str, name: str, folder: str | None) -> None:
+    from rlcli.scaffold import ScaffoldError, write_package
+
+    try:
+        root, files = write_package(kind, name, folder)
+    except ScaffoldError as exc:
+        _fail(str(exc), EXIT_RECIPE_ERROR)
+    recipe = next(p.relative_to(root) for p in files if p.suffix == ".yaml")
+    click.echo(f"wrote {len(files)} files to {root}/\nnext, in {root}:\n"
+               f"  pip install -e .           # then `rlcli plugins` lists it\n"
+               f"  pytest                     # its tests, with the kit of rlcli.testing\n"
+               f"  rlcli train {recipe}   # trains in seconds on the CPU")
+
+
+_NAME_HELP = "NAME: lower-case letters, digits and - or _ (my-judger -> component my_judger, package rlcli-my-judger)."
+
+
+@new.command("judger", help=f"Write a judger plugin package. {_NAME_HELP}")
+@click.argument("name")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), help="Where (default: ./rlcli-NAME); new or empty.")
+def new_judger(name: str, folder: str | None) -> None:
+    _new("judger", name, folder)
+
+
+@new.command("agent-loop", help=f"Write a multi-turn agent-loop plugin package (no tools). {_NAME_HELP}")
+@click.argument("name")
+@click.option("--dir", "folder", type=click.Path(file_okay=False), help="Where (default: ./rlcli-NAME); new or empty.")
+def new_agent_loop(name: str, folder: str | None) -> None:
+    _new("agent-loop", name, folder)
 
 
 @cli.command()
