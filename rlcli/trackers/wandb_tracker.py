@@ -13,7 +13,7 @@ from rlcli.trackers.hosted import TRACKERS_DIR, HostedTracker, cell
 class WandbConfig(ComponentConfig):
     project: str | None = Field(None, description="W&B project; default: $WANDB_PROJECT, else wandb's default.")
     entity: str | None = Field(None, description="W&B entity (user or team); default: $WANDB_ENTITY, else yours.")
-    name: str | None = Field(None, description="Run name; default: the work dir's name.")
+    run_name: str | None = Field(None, description="Run name; default: the work dir's name.")
     mode: Literal["online", "offline", "disabled"] | None = Field(
         None, description="online, offline (sync later with `wandb sync`) or disabled; default: $WANDB_MODE, else "
         "online.")
@@ -37,7 +37,7 @@ class WandbTracker(HostedTracker):
         run_dir = c.dir or str(self.local_dir)
         self.local_dir.mkdir(parents=True, exist_ok=True)
         self._run = wandb.init(
-            project=c.project, entity=c.entity, name=c.name or self.work_dir.resolve().name, mode=c.mode,
+            project=c.project, entity=c.entity, name=c.run_name or self.work_dir.resolve().name, mode=c.mode,
             dir=run_dir, tags=c.tags or None, config=self._recipe, id=resume_id,
             resume="allow" if resume_id else None, reinit="create_new")
         if resume_id:
