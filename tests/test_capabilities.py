@@ -45,7 +45,8 @@ DATA = {HasJudgePool, CancelsJudging}  # read as getattr(x, name, None/0), then 
 
 # The built-in (rlcli's own) components that have each class-level capability; flags: set to True.
 EXPECTED = {
-    ChecksConfig: {("agent_loop", "multi_turn"), ("judger", "composed"), ("judger", "overlong"), ("sampler", "jsonl")},
+    ChecksConfig: {("agent_loop", "multi_turn"), ("judger", "composed"), ("judger", "overlong"), ("sampler", "jsonl"),
+                   ("tracker", "wandb"), ("tracker", "mlflow")},
     ChecksRecipe: {("judger", "overlong")},
     Shardable: {("sampler", "jsonl")},
     ComputesGroups: {("advantage_estimator", n) for n in ("grpo", "dr_grpo", "xtuner_dr_grpo", "rloo", "pass_at_k")},

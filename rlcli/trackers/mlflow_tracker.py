@@ -28,8 +28,10 @@ class MlflowConfig(ComponentConfig):
 
 
 class MlflowTracker(HostedTracker):
-    """An MLflow run: every metrics.jsonl row as metrics (same keys, the row's step), the resolved
-    recipe as params (dotted keys) and as the artifact resolved.yaml, and the logged rollouts as
+    """An MLflow run (pip install 'rlcli[mlflow]'): every metrics row, the recipe, the samples.
+
+    Every metrics.jsonl row as metrics (same keys, the row's step); the resolved recipe as params
+    (dotted keys: ``trainer.seed``) and as the artifact resolved.yaml; the logged rollouts as the
     artifacts samples/step-N.jsonl."""
 
     name: ClassVar[str] = "mlflow"

@@ -22,8 +22,10 @@ class WandbConfig(ComponentConfig):
 
 
 class WandbTracker(HostedTracker):
-    """A Weights & Biases run: every metrics.jsonl row (same keys, same step), the resolved recipe as
-    the run config and as the file resolved.yaml, and the logged rollouts as a table `samples`."""
+    """A Weights & Biases run (pip install 'rlcli[wandb]'): every metrics row, the recipe, a samples table.
+
+    Every metrics.jsonl row (same keys, same step); the resolved recipe as the run config and as
+    the run file resolved.yaml; the logged rollouts as a table ``samples`` at their step."""
 
     name: ClassVar[str] = "wandb"
     library: ClassVar[str] = "wandb"
