@@ -48,6 +48,9 @@ def tracked_run(repo, tmp_path_factory):
             "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
             "trainer.total_train_steps=2", "trainer.train_batch_size=10", "trainer.evaluate_step=2",
             "trainer.exp_tracker=[{name: wandb, mode: offline, project: qs}, {name: mlflow, run_name: qs-run}]"])
+        import wandb
+
+        wandb.teardown()  # stop the wandb-core service the run started (it would idle until pytest exits)
     assert out.exit_code == 0, out.output
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -147,7 +150,7 @@ def test_a_library_failing_mid_run_warns_once_and_training_logs_go_on(tmp_path, 
         for step in (2, 3):
             log_to_trackers(trackers, step, {"reward/mean": 0.5}, None, 2)
     assert trackers == [jsonl]
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r for r in caplog.records if r.name == "rlcli" and r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "tracking server went away" in warnings[0].getMessage()
     jsonl.close()
     assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
@@ -174,3 +177,21 @@ def test_a_resumed_run_continues_its_tracker_run(tmp_path):
     fresh.log(1, {"m": 1.0})
     fresh.close()
     assert fresh._run_id != first._run_id
+
+
+def test_a_tracker_without_log_samples_gets_the_rollout_texts_it_got_before():
+    from rlcli.trackers import Tracker
+
+    class Texts(Tracker):
+        texts: list = []
+
+        def log(self, step, metrics):
+            pass
+
+        def log_text(self, step, tag, text):
+            self.texts.append((step, tag, text))
+
+    t = Texts(work_dir=".")
+    t.log_samples(3, [{"prompt": "1+2=", "response": "3", "reward": 1.0}, {"prompt": "p", "response": "", "reward": None}])
+    assert t.texts == [(3, "rollout", "**prompt** '1+2='\n\n**response** '3'\n\n**reward** 1.0"),
+                       (3, "rollout", "**prompt** 'p'\n\n**response** ''\n\n**reward** 0.0")]
