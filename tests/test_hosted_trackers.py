@@ -7,6 +7,7 @@ import logging
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -77,10 +78,10 @@ def test_mlflow_run_holds_every_row_the_recipe_and_samples(tracked_run):
     assert run.data.params == {k: v[:6000] for k, v in flat_params(resolved["recipe"]).items()}
     assert run.data.params["trainer.total_train_steps"] == "2"
     recipe = client.download_artifacts(run.info.run_id, "resolved.yaml", str(work.parent / "dl"))
-    assert yaml.safe_load(open(recipe).read()) == resolved
+    assert yaml.safe_load(Path(recipe).read_text()) == resolved
     for step in (1, 2):
         path = client.download_artifacts(run.info.run_id, f"samples/step-{step}.jsonl", str(work.parent / "dl"))
-        samples = [json.loads(x) for x in open(path).read().splitlines()]
+        samples = [json.loads(x) for x in Path(path).read_text().splitlines()]
         assert len(samples) == 2 and all(s["step"] == step and "prompt" in s and "reward" in s for s in samples)
 
 
@@ -183,7 +184,9 @@ def test_a_tracker_without_log_samples_gets_the_rollout_texts_it_got_before():
     from rlcli.trackers import Tracker
 
     class Texts(Tracker):
-        texts: list = []
+        def __init__(self):
+            super().__init__(work_dir=".")
+            self.texts = []
 
         def log(self, step, metrics):
             pass
@@ -191,7 +194,8 @@ def test_a_tracker_without_log_samples_gets_the_rollout_texts_it_got_before():
         def log_text(self, step, tag, text):
             self.texts.append((step, tag, text))
 
-    t = Texts(work_dir=".")
-    t.log_samples(3, [{"prompt": "1+2=", "response": "3", "reward": 1.0}, {"prompt": "p", "response": "", "reward": None}])
+    t = Texts()
+    t.log_samples(3, [{"prompt": "1+2=", "response": "3", "reward": 1.0},
+                      {"prompt": "p", "response": "", "reward": None}])
     assert t.texts == [(3, "rollout", "**prompt** '1+2='\n\n**response** '3'\n\n**reward** 1.0"),
                        (3, "rollout", "**prompt** 'p'\n\n**response** ''\n\n**reward** 0.0")]

@@ -40,8 +40,8 @@ class HostedTracker(Tracker):
     def check_config(cls, cfg: Any) -> list[tuple[str, str]]:
         """``rlcli validate``: the library must be importable (before any model is loaded)."""
         if importlib.util.find_spec(cls.library) is None:
-            return [("name", f"tracker {cls.name!r} needs the {cls.library!r} package, which is not installed; "
-                             f"install it with: pip install 'rlcli[{cls.extra}]'")]
+            return [("name", (f"tracker {cls.name!r} needs the {cls.library!r} package, which is not installed; "
+                              f"install it with: pip install 'rlcli[{cls.extra}]'"))]
         return []
 
     def __init__(self, config=None, *, work_dir):

@@ -54,7 +54,7 @@ class WandbTracker(HostedTracker):
     def _send_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
         import wandb
 
-        columns = ["step", *rows[0]]
+        columns = ["step", *dict.fromkeys(k for r in rows for k in r)]  # tasks may differ (multi_turn: tool_turns)
         table = wandb.Table(columns=columns, allow_mixed_types=True,
                             data=[[step, *(cell(r.get(k)) for k in columns[1:])] for r in rows])
         self._run.log({"samples": table}, step=step)
