@@ -46,7 +46,8 @@ DATA = {HasJudgePool, CancelsJudging}  # read as getattr(x, name, None/0), then 
 # The built-in (rlcli's own) components that have each class-level capability; flags: set to True.
 EXPECTED = {
     ChecksConfig: {("agent_loop", "multi_turn"), ("judger", "composed"), ("judger", "overlong"),
-                   *(("sampler", n) for n in ("jsonl", "parquet", "hf_dataset"))},
+                   *(("sampler", n) for n in ("jsonl", "parquet", "hf_dataset")),
+                   ("tracker", "wandb"), ("tracker", "mlflow")},
     ChecksRecipe: {("judger", "overlong")},
     Shardable: {("sampler", n) for n in ("jsonl", "parquet", "hf_dataset")},
     ComputesGroups: {("advantage_estimator", n) for n in ("grpo", "dr_grpo", "xtuner_dr_grpo", "rloo", "pass_at_k")},

@@ -60,10 +60,11 @@ class TrainerConfig(Strict):
     auto_resume: bool = Field(False, description="Continue from the newest complete checkpoint in the work dir.")
     exp_tracker: list[Annotated[ComponentSpec, Kind("tracker")]] = Field(
         default_factory=lambda: [ComponentSpec(name="tensorboard"), ComponentSpec(name="jsonl")],
-        description="Trackers; 'jsonl' (metrics.jsonl) is always added.",
+        description="Trackers (jsonl, tensorboard, wandb, mlflow); 'jsonl' (metrics.jsonl) is always added.",
     )
     work_dir: str | None = Field(None, description="Defaults to work_dirs/<recipe file stem>.")
-    log_samples_per_step: int = Field(2, ge=0, description="Rollout texts logged to TensorBoard per step.")
+    log_samples_per_step: int = Field(2, ge=0, description="Rollouts logged to the trackers per step (TensorBoard texts, "
+                                      "the wandb table, the mlflow samples/ artifacts).")
     dump_rollout_groups: int = Field(
         4, ge=0, description="Groups per step written to rollouts/step-N.jsonl (the best and worst by reward).")
     log_every: int = Field(1, gt=0, description="Console summary every N steps.")

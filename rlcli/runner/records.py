@@ -13,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from rlcli.config import ComponentSpec
 from rlcli.fsutil import write_jsonl
 from rlcli.plugins import get_registry
+from rlcli.runner.setup import RESOLVED
 from rlcli.types import Group, Sample
 
 log = logging.getLogger("rlcli")
@@ -77,7 +79,13 @@ def build_trackers(trackers: list[ComponentSpec], work_dir: Path, registry=None)
         spec = ComponentSpec(name="jsonl")
         spec._cls, spec._cfg = reg.get("tracker", "jsonl"), reg.get("tracker", "jsonl").Config()
         specs.append(spec)
-    return [s.build(work_dir=work_dir) for s in specs]
+    built = [s.build(work_dir=work_dir) for s in specs]
+    resolved = work_dir / RESOLVED
+    if resolved.exists():  # written by write_resolved before the trackers are built
+        recipe = yaml.safe_load(resolved.read_text(encoding="utf-8"))["recipe"]
+        for t in built:
+            t.log_recipe(recipe, resolved)
+    return built
 
 
 SKIPPED_ROWS = "skipped_rows.jsonl"
@@ -97,14 +105,14 @@ def write_skipped_rows(out_dir: Path, samplers: list[tuple[str, Any]]) -> Path:
 
 
 def log_to_trackers(trackers: list, step: int, metrics: dict[str, float], groups, samples_per_step: int) -> None:
-    """One row to every tracker (plus a few rollout texts); a tracker that fails is dropped, never fatal."""
+    """One row to every tracker (plus a few rollouts, the first sample of each of the first
+    ``samples_per_step`` groups); a tracker that fails is dropped with a warning, never fatal."""
+    rows = [sample_row(g.samples[0]) for g in (groups or [])[:samples_per_step]]
     for t in list(trackers):
         try:
             t.log(step, metrics)
-            for g in (groups or [])[:samples_per_step]:
-                s = g.samples[0]
-                t.log_text(step, "rollout", f"**prompt** {s.prompt_text!r}\n\n**response** {s.response!r}"
-                                            f"\n\n**reward** {s.score}")
+            if rows:
+                t.log_samples(step, rows)
         except Exception as exc:  # a tracker must never stop training: drop it and go on
             log.warning("tracker %s failed and is disabled: %s", type(t).__name__, exc)
             trackers.remove(t)

@@ -198,6 +198,9 @@ def build_tasks(env: Environment, task_cfgs: list[TaskConfig], backend, *, salt:
     return tasks, pools
 
 
+RESOLVED = "resolved.yaml"  # <work_dir>/resolved.yaml: the recipe as run, its plugins and versions
+
+
 def write_resolved(recipe: Recipe, work_dir: Path) -> None:
     reg = recipe._registry or get_registry()
     used = {}
@@ -207,7 +210,7 @@ def write_resolved(recipe: Recipe, work_dir: Path) -> None:
     data = {"recipe": resolved_dict(recipe), "plugins": used,
             "versions": {"torch": str(torch.__version__), "transformers": str(__import__("transformers").__version__)}}
     work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / "resolved.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    (work_dir / RESOLVED).write_text(yaml.safe_dump(data, sort_keys=False))
 
 
 def freeze_heap() -> None:

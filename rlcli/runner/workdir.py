@@ -32,7 +32,7 @@ from rlcli import __version__
 
 MANIFEST = "rlcli-manifest.json"
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
-               "resolved.yaml", "run.log", "trained_groups.jsonl", "skipped_rows.jsonl")
+               "resolved.yaml", "run.log", "trained_groups.jsonl", "skipped_rows.jsonl", "trackers")
 _LEFTOVER = (".tmp", ".old")  # an atomic write's temporary names (fsutil)
 _FIX = "set --work-dir (or trainer.work_dir) to another directory"
 

@@ -3,6 +3,8 @@
 * ``jsonl``: ``<work_dir>/metrics.jsonl``, one JSON object per step (always enabled).
 * ``tensorboard``: event files under ``<work_dir>/tensorboard/``, scalars plus a few rollouts
   as text.
+* ``wandb`` and ``mlflow`` (optional extras ``rlcli[wandb]``, ``rlcli[mlflow]``): a run of that
+  service with every row, the resolved recipe and the sample rows (:mod:`rlcli.trackers.hosted`).
 
 On resume the runner calls ``truncate_after(step)`` so that a resumed run's logs equal those of
 a run that was never interrupted (rows written after the checkpoint are dropped). A tracker
@@ -36,6 +38,18 @@ class Tracker(Component):
 
     def log_text(self, step: int, tag: str, text: str) -> None:  # noqa: B027 - optional
         pass
+
+    def log_samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """A few rollouts of the step, one dict per sample (the fields of ``rollouts/step-N.jsonl``:
+        ``prompt``, ``response``, ``reward``, ...). Default: each as a ``rollout`` text (:meth:`log_text`)."""
+        for r in rows:
+            reward = float(r["reward"]) if r.get("reward") is not None else 0.0
+            self.log_text(step, "rollout", f"**prompt** {r['prompt']!r}\n\n**response** {r['response']!r}"
+                                           f"\n\n**reward** {reward}")
+
+    def log_recipe(self, recipe: dict[str, Any], path: Path) -> None:  # noqa: B027 - optional
+        """The run's resolved recipe (the ``recipe`` section of ``path``, ``<work_dir>/resolved.yaml``);
+        called once, right after the tracker is built."""
 
     def truncate_after(self, step: int) -> None:  # noqa: B027 - optional
         pass
@@ -122,4 +136,7 @@ class TensorBoardTracker(Tracker):
 
 @hookimpl
 def register_trackers():
-    return [JsonlTracker, TensorBoardTracker]
+    from rlcli.trackers.mlflow_tracker import MlflowTracker
+    from rlcli.trackers.wandb_tracker import WandbTracker
+
+    return [JsonlTracker, TensorBoardTracker, WandbTracker, MlflowTracker]
