@@ -209,8 +209,11 @@ def plugins(as_json: bool) -> None:
         for kind in KINDS for e in sorted(reg.entries[kind].values(), key=lambda e: e.name)
     ]
     broken = [{"distribution": d, "entry_point": ep, "error": err} for d, ep, err in reg.broken]
+    clashes = [{"kind": kind, "name": name, "providers": [
+        {"distribution": e.dist, "version": e.version, "module": e.cls.__module__} for e in entries]}
+        for (kind, name), entries in reg.clashes.items()]
     if as_json:
-        click.echo(json.dumps({"components": rows, "broken": broken}, indent=2))
+        click.echo(json.dumps({"components": rows, "broken": broken, "clashes": clashes}, indent=2))
         return
     for r in rows:
         r["provider"] = f"{r['distribution']} {r['version']}"
@@ -221,6 +224,10 @@ def plugins(as_json: bool) -> None:
             click.echo(f"  {r['name']:<22} {r['provider']:<{width}} {r['description']}")
     for b in broken:
         click.secho(f"broken plugin {b['distribution']} ({b['entry_point']}): {b['error']}", fg="red")
+    for (kind, name), entries in reg.clashes.items():  # the name is unusable; every other one works
+        providers = " and by ".join(f"{e.dist} {e.version} ({e.cls.__module__})" for e in entries)
+        click.secho(f"name clash: {kind} {name!r} is registered by {providers}; recipes that use it fail "
+                    f"until one is uninstalled", fg="red")
 
 
 @cli.command()
