@@ -41,6 +41,9 @@ def test_validate_ok(runner, repo):
     (["tasks.0.judger.name=nope"], "tasks.0.judger.name"),
     (["tasks.0.judger.bogus=1"], "tasks.0.judger.bogus"),
     (["rollout.name=nope"], "rollout.name"),
+    (["advantage.name=GRPO"], "advantage.name: unknown advantage_estimator 'GRPO'; available: dr_grpo, grpo"),
+    (["advantage.name=GRPO"], "(did you mean 'grpo'?)"),
+    (["trainer.lr=0.1"], "trainer.lr: unknown key here (did you mean train_worker.optimizer.lr?)"),
 ])
 def test_validate_rejects_with_exit_2_and_no_side_effects(runner, repo, tmp_path, monkeypatch, overrides, expect):
     import transformers
