@@ -49,6 +49,17 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def _recipe_file(recipe: str) -> str:
+    """``recipe`` as given when it is a file; else the built-in recipe of that name, as ``rlcli recipes``
+    lists it (``quickstart.yaml`` or ``quickstart``) from any directory; else as given (reported missing)."""
+    if Path(recipe).exists() or os.sep in recipe:
+        return recipe
+    for cand in (_builtin_recipes_dir() / recipe, _builtin_recipes_dir() / f"{recipe}.yaml"):
+        if cand.is_file():
+            return str(cand)
+    return recipe
+
+
 def _builtin_recipes_dir() -> Path:
     here = Path(__file__).resolve().parent
     for cand in (here.parent / "recipes", here / "recipes"):
@@ -91,6 +102,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
       rlcli train recipes/quickstart.yaml trainer.seed=2 trainer.total_train_steps=50
       rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
     """
+    recipe = _recipe_file(recipe)
     rec = _load(recipe, overrides)
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
@@ -142,6 +154,7 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     examples:
       rlcli eval recipes/quickstart.yaml --checkpoint work_dirs/quickstart/hf/step-200
     """
+    recipe = _recipe_file(recipe)
     rec = _load(recipe, overrides)
     if rec.eval is None or not rec.eval.tasks:
         _fail(f"{recipe}: the recipe has no eval.tasks to evaluate", EXIT_RECIPE_ERROR)
@@ -188,6 +201,7 @@ def _check_launch(recipe: str, rec, world_size: int) -> None:
               help="Machines of that launch (with --nproc-per-node).")
 def validate(recipe: str, overrides: tuple[str, ...], nproc_per_node: int | None, nnodes: int) -> None:
     """Check RECIPE (with overrides) without loading any model; list every problem (exit 2)."""
+    recipe = _recipe_file(recipe)
     rec = _load(recipe, overrides)
     if nproc_per_node is not None:
         _check_launch(recipe, rec, nproc_per_node * nnodes)
@@ -232,7 +246,7 @@ def plugins(as_json: bool) -> None:
 
 @cli.command()
 def recipes() -> None:
-    """The built-in recipes, one line each."""
+    """The built-in recipes, one line each (train, eval and validate take these names from any directory)."""
     import yaml
 
     root = _builtin_recipes_dir()

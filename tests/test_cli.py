@@ -95,6 +95,15 @@ def test_recipes_lists_builtins(runner):
     assert "quickstart.yaml" in out.output and "gsm8k-colocate.yaml" in out.output
 
 
+@pytest.mark.parametrize("name", ["quickstart.yaml", "quickstart"])
+def test_a_listed_recipe_name_validates_from_another_directory(runner, tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    out = runner.invoke(cli, ["validate", name])
+    assert out.exit_code == 0, out.output
+    assert "recipes/quickstart.yaml: OK" in out.output
+    assert runner.invoke(cli, ["validate", "no-such-recipe"]).exit_code == 2
+
+
 def test_data_gsm8k(runner, tmp_path):
     raw = tmp_path / "raw.jsonl"
     raw.write_text(json.dumps({"question": "2+3?", "answer": "it is 5\n#### 5"}) + "\n{broken\n")
