@@ -82,7 +82,7 @@ def cli(debug: bool) -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Where outputs go (default: trainer.work_dir).")
-@click.option("--quiet", is_flag=True, help="No progress bars or per-step lines.")
+@click.option("--quiet", is_flag=True, help="No progress bars or per-step lines (the final result line only).")
 @click.option("--overwrite", is_flag=True,
               help="Start afresh: delete the outputs rlcli wrote in the work dir (never other files), or use a "
                    "directory that holds other files.")
@@ -135,10 +135,9 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
         _fail("\n".join(named) if named else f"training failed: {exc}", EXIT_RECIPE_ERROR if named else 1)
     except ValueError as exc:
         _fail(f"training failed: {exc}", 1)
-    if not quiet:
-        shown = {k: round(v, 4) for k, v in final.items()
-                 if (k.startswith("eval/") and "judger/" not in k and "agent_loop/" not in k) or k == "reward/mean"}
-        click.echo(f"done: {path} {json.dumps(shown)}")
+    from rlcli.runner.records import final_summary
+
+    click.echo(f"done: {path} | {final_summary(final)}".rstrip(" |"))  # with --quiet too: the result
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})

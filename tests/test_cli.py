@@ -140,3 +140,15 @@ def test_gsm8k_recipe_validates_with_a_model_path(runner, repo, tiny_llama_4k, t
     out = runner.invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-colocate.yaml"), f"model.path={tiny_llama_4k}",
                               f"tasks.0.sampler.path={data}", f"eval.tasks.0.sampler.path={data}"])
     assert out.exit_code == 0, out.output
+
+
+def test_console_lines_say_what_was_measured():
+    from rlcli.runner.records import final_summary, step_summary
+
+    assert step_summary({"eval/accuracy": 0.25, "timing/step_s": 0.5}) == "eval/acc 0.250 | 0.50s"  # step 0: no reward
+    line = step_summary({"reward/mean": 0.5, "train/loss": 3.7e-9, "train/grad_norm": 1.234, "timing/step_s": 1})
+    assert line == "reward 0.500 | loss +3.70e-09 | grad_norm 1.23 | 1.00s"
+    assert "loss -0.1235 " in step_summary({"train/loss": -0.12345})
+    final = {"reward/mean": 0.5, "eval/accuracy": 0.75, "eval/engine/busy_s": 0.1, "eval/judger/calls": 3.0,
+             "eval/agent_loop/errors": 0.0, "train/loss": 0.1}
+    assert final_summary(final) == "reward/mean 0.5 | eval/accuracy 0.75"

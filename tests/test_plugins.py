@@ -125,6 +125,7 @@ def test_a_clashing_installed_plugin_fails_only_recipes_using_the_name(repo, tmp
     ok = run(cli, ["train", recipe, *other, "--quiet", "--work-dir", str(tmp_path / "w"),
                    "trainer.total_train_steps=1", "trainer.train_batch_size=2"])
     assert ok.exit_code == 0, ok.output
+    assert re.fullmatch(rf"done: {re.escape(str(tmp_path / 'w'))} \| reward/mean [\d.]+\n", ok.output)  # --quiet
     rows = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 1 and rows[-1]["judger/calls"] > 0
 
