@@ -267,12 +267,17 @@ def data() -> None:
 @click.argument("out_path", type=click.Path(dir_okay=False))
 def data_gsm8k(in_path: str, out_path: str) -> None:
     """Convert raw GSM8K (question/answer with '#### n') to RL JSONL."""
+    from rlcli.data.base import DataError
     from rlcli.data.gsm8k import convert_gsm8k
 
     try:
         written, skipped = convert_gsm8k(in_path, out_path)
     except OSError as exc:
         _fail(f"cannot convert {in_path} to {out_path}: {exc.strerror or exc}", EXIT_RECIPE_ERROR)
+    except DataError as exc:  # no usable row: nothing written
+        for msg in exc.skipped:
+            click.secho(f"  {msg}", fg="yellow", err=True)
+        _fail(str(exc), EXIT_RECIPE_ERROR)
     click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} malformed rows" if skipped else ""))
     for msg in skipped:  # every one, located
         click.secho(f"  {msg}", fg="yellow", err=True)

@@ -115,6 +115,16 @@ def test_data_gsm8k(runner, tmp_path):
     assert row["reward_model"]["ground_truth"] == "5" and row["data_source"] == "openai/gsm8k"
 
 
+def test_data_gsm8k_without_a_usable_row_exits_2_and_writes_nothing(runner, tmp_path):
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"question": "2+3?"}) + "\n{broken\n")
+    out = runner.invoke(cli, ["data", "gsm8k", str(raw), str(tmp_path / "out.jsonl")])
+    assert out.exit_code == 2
+    assert f"{raw}: no usable GSM8K row (2 malformed); nothing written to {tmp_path / 'out.jsonl'}" in out.output
+    assert f"{raw}:1: missing 'answer'" in out.output and f"{raw}:2: " in out.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.jsonl"]
+
+
 @pytest.mark.parametrize("how", ["plain", "--debug", "RLCLI_DEBUG=1"])
 def test_debug_prints_the_traceback_behind_a_one_line_error(runner, tmp_path, monkeypatch, how):
     raw = tmp_path / "raw.jsonl"
