@@ -2,8 +2,8 @@
 
 Third-party plugins are Python distributions with an entry point in the ``rlcli`` group; the
 built-in components live in the modules of :data:`DEFAULT_PLUGINS` and are registered through
-the very same hooks. A broken plugin (import error) is recorded and reported, never fatal to
-``rlcli --help``. A component name claimed by two providers is a clash: the name is unusable (a
+the very same hooks. A broken plugin (an import error, a hook pluggy refuses, a component without
+``name`` or ``Config``) is recorded and reported, never fatal to ``rlcli --help`` or ``rlcli plugins``. A component name claimed by two providers is a clash: the name is unusable (a
 recipe naming it fails with an error naming both providers) while every other name works and
 ``rlcli plugins`` lists the clash.
 
@@ -116,8 +116,8 @@ def _load_entry_points(pm: pluggy.PluginManager, registry: Registry) -> None:
         except Exception as exc:  # a broken plugin must not break the CLI
             registry.broken.append((dist_name, ep.name, f"{type(exc).__name__}: {exc}"))
             continue
-        pm.register(plugin, name=ep.name)
-        registry.dists[id(plugin)] = (dist_name, ep.dist.version if ep.dist else "?")
+        if _register(pm, registry, plugin, ep.name, dist_name):
+            registry.dists[id(plugin)] = (dist_name, ep.dist.version if ep.dist else "?")
 
 
 ENV_PLUGINS = "RLCLI_PLUGINS"
@@ -140,8 +140,22 @@ def _load_env_plugins(pm: pluggy.PluginManager, registry: Registry) -> None:
             continue
         if pm.is_registered(plugin):
             continue
-        pm.register(plugin, name=f"env:{spec}")
-        registry.dists[id(plugin)] = (label, "-")
+        if _register(pm, registry, plugin, f"env:{spec}", label):
+            registry.dists[id(plugin)] = (label, "-")
+
+
+def _register(pm: pluggy.PluginManager, registry: Registry, plugin: Any, name: str, dist: str) -> bool:
+    """Register one installed plugin; one pluggy refuses (a misspelt hook, a wrong signature) is
+    recorded as broken, as a failed import is."""
+    try:
+        pm.register(plugin, name=name)
+        pm.check_pending()
+    except Exception as exc:
+        if pm.is_registered(plugin):
+            pm.unregister(plugin)
+        registry.broken.append((dist, name, f"{type(exc).__name__}: {exc}"))
+        return False
+    return True
 
 
 def build_plugin_manager() -> tuple[pluggy.PluginManager, Registry]:
@@ -168,11 +182,14 @@ def _fill(pm: pluggy.PluginManager, registry: Registry) -> None:
                 continue
             for cls in classes:
                 name = getattr(cls, "name", None)
-                if not isinstance(name, str) or not name:
-                    raise PluginError(f"{dist}: {hook_name} returned {cls!r} without a string 'name' attribute")
-                if not hasattr(cls, "Config"):
-                    raise PluginError(f"{dist}: {kind} {name!r} ({cls.__qualname__}) has no 'Config' model")
-                _add(registry, Entry(kind, name, cls, dist, version, impl.plugin_name))
+                if not isinstance(name, str) or not name:  # recorded like a broken plugin, never fatal
+                    registry.broken.append((dist, impl.plugin_name, f"{hook_name} returned {cls!r} without a "
+                                            "string 'name' attribute"))
+                elif not hasattr(cls, "Config"):
+                    registry.broken.append((dist, impl.plugin_name, f"{kind} {name!r} ({cls.__qualname__}) has "
+                                            "no 'Config' model"))
+                else:
+                    _add(registry, Entry(kind, name, cls, dist, version, impl.plugin_name))
 
 
 def _add(registry: Registry, entry: Entry) -> None:

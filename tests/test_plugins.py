@@ -139,8 +139,41 @@ def test_component_without_name_is_rejected():
         def register_judgers(self):
             return [NoName]
 
-    with pytest.raises(PluginError, match="without a string 'name'"):
-        registry_with(Plugin())
+    reg = registry_with(Plugin())  # recorded as broken, never fatal to the other components
+    assert "without a string 'name'" in reg.broken[0][2] and reg.get("judger", "gsm8k")
+    with pytest.raises(PluginError, match="failed to load.*without a string 'name'"):
+        reg.get("judger", "nope")
+
+
+def test_a_plugin_pluggy_refuses_is_reported_not_fatal(monkeypatch):
+    """A misspelt hook name in an installed plugin: recorded as broken, the rest works."""
+    import importlib.metadata as md
+    import types
+
+    from rlcli import plugins as plugmod
+
+    mod = types.ModuleType("misspelt")
+
+    @hookimpl
+    def register_judger():  # the hook is register_judgers
+        return []
+
+    mod.register_judger = register_judger
+
+    class EP:
+        name, value, dist = "misspelt", "misspelt", None
+
+        def load(self):
+            return mod
+
+    real = md.entry_points
+    monkeypatch.setattr(plugmod.md, "entry_points",
+                        lambda group=None: [EP()] if group == "rlcli" else real(group=group))
+    monkeypatch.delenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("RLCLI_LOAD_PLUGINS", raising=False)
+    reg = plugmod.registry_with()
+    assert [b[:2] for b in reg.broken] == [("misspelt", "misspelt")] and "register_judger" in reg.broken[0][2]
+    assert reg.get("judger", "gsm8k")
 
 
 def test_unknown_name_lists_available():
