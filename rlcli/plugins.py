@@ -80,8 +80,8 @@ class Registry:
 
     def clash_message(self, kind: str, name: str) -> str:
         providers = " and by ".join(e.provider for e in self.clashes[(kind, name)])
-        return (f"{kind} name {name!r} is claimed twice: by {providers}; uninstall one of them "
-                f"(`rlcli plugins` lists every clash)")
+        return (f"{kind} name {name!r} is claimed twice: by {providers}; remove one of them (pip uninstall, "
+                f"or leave it out of {ENV_PLUGINS}); `rlcli plugins` lists every clash")
 
     def unknown_message(self, kind: str, name: Any) -> str:
         available = sorted(self.entries[kind])
