@@ -51,6 +51,17 @@ def _fail(message: str, code: int) -> NoReturn:
     sys.exit(code)
 
 
+def _recipe_file(recipe: str) -> str:
+    """``recipe`` as given when it is a file; else the built-in recipe of that name, as ``rlcli recipes``
+    lists it (``quickstart.yaml`` or ``quickstart``) from any directory; else as given (reported missing)."""
+    if Path(recipe).exists() or os.sep in recipe:
+        return recipe
+    for cand in (_builtin_recipes_dir() / recipe, _builtin_recipes_dir() / f"{recipe}.yaml"):
+        if cand.is_file():
+            return str(cand)
+    return recipe
+
+
 def _builtin_recipes_dir() -> Path:
     here = Path(__file__).resolve().parent
     for cand in (here.parent / "recipes", here / "recipes"):
@@ -73,7 +84,7 @@ def cli(debug: bool) -> None:
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.argument("overrides", nargs=-1, type=click.UNPROCESSED)
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Where outputs go (default: trainer.work_dir).")
-@click.option("--quiet", is_flag=True, help="No progress bars or per-step lines.")
+@click.option("--quiet", is_flag=True, help="No progress bars or per-step lines (the final result line only).")
 @click.option("--overwrite", is_flag=True,
               help="Start afresh: delete the outputs rlcli wrote in the work dir (never other files), or use a "
                    "directory that holds other files.")
@@ -93,6 +104,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
       rlcli train recipes/quickstart.yaml trainer.seed=2 trainer.total_train_steps=50
       rlcli train recipes/gsm8k-colocate.yaml model.path=/models/Qwen2.5-0.5B-Instruct
     """
+    recipe = _recipe_file(recipe)
     rec = _load(recipe, overrides)
     from rlcli.launch import LaunchSpec, RankFailed, launch
     from rlcli.runner import rank_entry, run
@@ -125,10 +137,9 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
         _fail("\n".join(named) if named else f"training failed: {exc}", EXIT_RECIPE_ERROR if named else 1)
     except ValueError as exc:
         _fail(f"training failed: {exc}", 1)
-    if not quiet:
-        shown = {k: round(v, 4) for k, v in final.items()
-                 if (k.startswith("eval/") and "judger/" not in k and "agent_loop/" not in k) or k == "reward/mean"}
-        click.echo(f"done: {path} {json.dumps(shown)}")
+    from rlcli.runner.records import final_summary
+
+    click.echo(f"done: {path} | {final_summary(final)}".rstrip(" |"))  # with --quiet too: the result
 
 
 @cli.command("eval", context_settings={"ignore_unknown_options": True})
@@ -144,6 +155,7 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     examples:
       rlcli eval recipes/quickstart.yaml --checkpoint work_dirs/quickstart/hf/step-200
     """
+    recipe = _recipe_file(recipe)
     rec = _load(recipe, overrides)
     if rec.eval is None or not rec.eval.tasks:
         _fail(f"{recipe}: the recipe has no eval.tasks to evaluate", EXIT_RECIPE_ERROR)
@@ -192,6 +204,7 @@ def _check_launch(recipe: str, rec, world_size: int) -> None:
               help="Machines of that launch (with --nproc-per-node).")
 def validate(recipe: str, overrides: tuple[str, ...], nproc_per_node: int | None, nnodes: int) -> None:
     """Check RECIPE (with overrides) without loading any model; list every problem (exit 2)."""
+    recipe = _recipe_file(recipe)
     rec = _load(recipe, overrides)
     if nproc_per_node is not None:
         _check_launch(recipe, rec, nproc_per_node * nnodes)
@@ -213,8 +226,11 @@ def plugins(as_json: bool) -> None:
         for kind in KINDS for e in sorted(reg.entries[kind].values(), key=lambda e: e.name)
     ]
     broken = [{"distribution": d, "entry_point": ep, "error": err} for d, ep, err in reg.broken]
+    clashes = [{"kind": kind, "name": name, "providers": [
+        {"distribution": e.dist, "version": e.version, "module": e.cls.__module__} for e in entries]}
+        for (kind, name), entries in reg.clashes.items()]
     if as_json:
-        click.echo(json.dumps({"components": rows, "broken": broken}, indent=2))
+        click.echo(json.dumps({"components": rows, "broken": broken, "clashes": clashes}, indent=2))
         return
     for r in rows:
         r["provider"] = f"{r['distribution']} {r['version']}"
@@ -225,11 +241,15 @@ def plugins(as_json: bool) -> None:
             click.echo(f"  {r['name']:<22} {r['provider']:<{width}} {r['description']}")
     for b in broken:
         click.secho(f"broken plugin {b['distribution']} ({b['entry_point']}): {b['error']}", fg="red")
+    for (kind, name), entries in reg.clashes.items():  # the name is unusable; every other one works
+        providers = " and by ".join(f"{e.dist} {e.version} ({e.cls.__module__})" for e in entries)
+        click.secho(f"name clash: {kind} {name!r} is registered by {providers}; recipes that use it fail "
+                    f"until one is uninstalled", fg="red")
 
 
 @cli.command()
 def recipes() -> None:
-    """The built-in recipes, one line each."""
+    """The built-in recipes, one line each (train, eval and validate take these names from any directory)."""
     import yaml
 
     root = _builtin_recipes_dir()
@@ -251,12 +271,17 @@ def data() -> None:
 @click.argument("out_path", type=click.Path(dir_okay=False))
 def data_gsm8k(in_path: str, out_path: str) -> None:
     """Convert raw GSM8K (question/answer with '#### n') to RL JSONL."""
+    from rlcli.data.base import DataError
     from rlcli.data.gsm8k import convert_gsm8k
 
     try:
         written, skipped = convert_gsm8k(in_path, out_path)
     except OSError as exc:
         _fail(f"cannot convert {in_path} to {out_path}: {exc.strerror or exc}", EXIT_RECIPE_ERROR)
+    except DataError as exc:  # no usable row: nothing written
+        for msg in exc.skipped:
+            click.secho(f"  {msg}", fg="yellow", err=True)
+        _fail(str(exc), EXIT_RECIPE_ERROR)
     click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} malformed rows" if skipped else ""))
     for msg in skipped:  # every one, located
         click.secho(f"  {msg}", fg="yellow", err=True)

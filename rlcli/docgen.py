@@ -40,6 +40,7 @@ def _type(f) -> str:
     if kind:
         inner, is_list = _unwrap(f.annotation)
         return f"list of {kind}" if is_list else kind
+    import types
     import typing
 
     ann = f.annotation
@@ -51,6 +52,11 @@ def _type(f) -> str:
     if len(args) == 1 and len(typing.get_args(ann)) == 2:
         inner = getattr(args[0], "__name__", str(args[0]))
         return f"{inner} or null"
+    scalar_or_literal = all(a in (int, float, str, bool) or typing.get_origin(a) is typing.Literal for a in args)
+    if typing.get_origin(ann) in (typing.Union, types.UnionType) and len(args) > 1 and scalar_or_literal:
+        parts = [", ".join(f"`{v}`" for v in typing.get_args(a)) if typing.get_origin(a) is typing.Literal
+                 else a.__name__ for a in args]  # float | Literal['positive'] -> float or `positive`
+        return " or ".join(parts) + (" or null" if len(args) < len(typing.get_args(ann)) else "")
     name = getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
     if isinstance(ann, type) and issubclass(ann, ComponentSpec):
         return "component"

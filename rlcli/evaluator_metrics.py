@@ -7,11 +7,15 @@ than one ``data_source``, once more per source with keys prefixed ``<source>/``.
 Built-ins:
 
 ``accuracy``
-    Fraction of samples with ``score > 0`` (XTuner's default metric; 0.0 when there are none).
-    FAILED samples (judger error or timeout) count as wrong and are also counted in ``failed``.
+    Fraction of samples that are correct (0.0 when there are none): by default a sample is correct
+    when its score is at least 1.0, the full score of the built-in judgers, so a partial-credit
+    judger does not inflate it; ``correct_at`` sets another full score, or ``positive`` counts any
+    score above 0 (XTuner's rule). FAILED samples (judger error or timeout) count as wrong and
+    are also counted in ``failed``.
 ``pass_at_k``
     ``pass@k`` per prompt (samples grouped by ``(task_name, group_id)``), averaged over prompts,
-    for each configured ``k`` not larger than the smallest group. By default the *unbiased*
+    for each configured ``k`` not larger than the smallest group; an attempt succeeds when it is
+    correct by ``accuracy``'s rule (its own ``correct_at``, the same default). By default the *unbiased*
     estimator ``1 - C(n-c, k) / C(n, k)`` (n attempts, c successes), which uses every attempt and
     does not depend on their order. XTuner instead reports "any success among the *first* k
     attempts"; set ``estimator: first_k`` for that. Also reported: ``avg_pass@n`` (mean success
@@ -48,9 +52,21 @@ __all__ = [
 ]
 
 
-def is_success(sample: Sample) -> bool:
-    """A sample counts as solved when it was judged (not FAILED) and its score is positive."""
-    return sample.status != Status.FAILED and sample.reward is not None and sample.score > 0
+def is_success(sample: Sample, correct_at: float | str = 1.0) -> bool:
+    """A sample counts as solved when it was judged (not FAILED) and its score reaches ``correct_at``
+    (``"positive"``: is above 0)."""
+    if sample.status == Status.FAILED or sample.reward is None:
+        return False
+    return sample.score > 0 if correct_at == "positive" else sample.score >= correct_at
+
+
+class CorrectConfig(ComponentConfig):
+    correct_at: float | Literal["positive"] = Field(
+        1.0,
+        description="When a judged sample counts as correct: its score is at least this number (default 1.0, "
+        "the full score of the built-in judgers: partial credit is not correct), or, with 'positive', above 0 "
+        "(XTuner's rule).",
+    )
 
 
 class EvaluatorMetric(Component):
@@ -63,19 +79,19 @@ class EvaluatorMetric(Component):
 
 
 # ------------------------------------------------------------------------------ accuracy
-class AccuracyConfig(ComponentConfig):
+class AccuracyConfig(CorrectConfig):
     pass
 
 
 class AccuracyMetric(EvaluatorMetric):
-    """Fraction of samples with a positive score; FAILED samples count as wrong."""
+    """Fraction of samples with full score (correct_at); FAILED samples count as wrong."""
 
     name: ClassVar[str] = "accuracy"
     Config: ClassVar[type[AccuracyConfig]] = AccuracyConfig
 
     def compute(self, samples: list[Sample]) -> dict[str, float]:
         n = len(samples)
-        solved = sum(is_success(s) for s in samples)
+        solved = sum(is_success(s, self.config.correct_at) for s in samples)
         failed = sum(s.status == Status.FAILED for s in samples)
         return {"accuracy": solved / n if n else 0.0, "failed": float(failed)}
 
@@ -90,7 +106,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-class PassAtKConfig(ComponentConfig):
+class PassAtKConfig(CorrectConfig):
     k: list[int] = Field(
         default_factory=lambda: [1, 2, 4, 8, 16],
         description="The k values to report; those larger than the smallest group are skipped.",
@@ -132,7 +148,7 @@ class PassAtKMetric(EvaluatorMetric):
             return out
         out["mean_score"] = sum(s.score for s in samples if s.status != Status.FAILED) / len(samples)
         n_min = min(len(g) for g in groups)
-        wins = [[is_success(s) for s in g] for g in groups]
+        wins = [[is_success(s, self.config.correct_at) for s in g] for g in groups]
         for k in self.config.k:
             if k > n_min:
                 continue

@@ -2,8 +2,10 @@
 
 Third-party plugins are Python distributions with an entry point in the ``rlcli`` group; the
 built-in components live in the modules of :data:`DEFAULT_PLUGINS` and are registered through
-the very same hooks. A broken plugin (import error) is recorded and reported, never fatal to
-``rlcli --help``; a component name claimed twice is an error naming both distributions.
+the very same hooks. A broken plugin (an import error, a hook pluggy refuses, a component without
+``name`` or ``Config``) is recorded and reported, never fatal to ``rlcli --help`` or ``rlcli plugins``. A component name claimed by two providers is a clash: the name is unusable (a
+recipe naming it fails with an error naming both providers) while every other name works and
+``rlcli plugins`` lists the clash.
 
 Environment switches:
   RLCLI_DISABLE_PLUGIN_AUTOLOAD=1  load no entry-point plugins (built-ins only)
@@ -47,6 +49,11 @@ class Entry:
     plugin: str
 
     @property
+    def provider(self) -> str:
+        """The distribution and the module that registered it: ``rlcli (rlcli.judgers.builtin)``."""
+        return f"{self.dist} ({self.cls.__module__})"
+
+    @property
     def description(self) -> str:
         doc = (self.cls.__doc__ or "").strip()
         return doc.splitlines()[0] if doc else ""
@@ -57,6 +64,7 @@ class Registry:
     entries: dict[str, dict[str, Entry]] = field(default_factory=lambda: {k: {} for k in KINDS})
     broken: list[tuple[str, str, str]] = field(default_factory=list)  # (dist, entry point, error)
     dists: dict[int, tuple[str, str]] = field(default_factory=dict)  # id(plugin) -> (dist, version)
+    clashes: dict[tuple[str, str], list[Entry]] = field(default_factory=dict)  # (kind, name) -> every provider
     pm: pluggy.PluginManager | None = None
 
     def get(self, kind: str, name: str) -> type:
@@ -66,12 +74,20 @@ class Registry:
         table = self.entries[kind]
         if name in table:
             return table[name]
+        if (kind, name) in self.clashes:
+            raise PluginError(self.clash_message(kind, name))
         raise PluginError(self.unknown_message(kind, name))
+
+    def clash_message(self, kind: str, name: str) -> str:
+        providers = " and by ".join(e.provider for e in self.clashes[(kind, name)])
+        return (f"{kind} name {name!r} is claimed twice: by {providers}; remove one of them (pip uninstall, "
+                f"or leave it out of {ENV_PLUGINS}); `rlcli plugins` lists every clash")
 
     def unknown_message(self, kind: str, name: Any) -> str:
         available = sorted(self.entries[kind])
         msg = f"unknown {kind} {name!r}; available: {', '.join(available) or '(none)'}"
-        close = difflib.get_close_matches(str(name), available, n=1)
+        same_case = [a for a in available if a.lower() == str(name).lower()]
+        close = same_case or difflib.get_close_matches(str(name), available, n=1)
         if close:
             msg += f" (did you mean {close[0]!r}?)"
         if self.broken:
@@ -100,8 +116,8 @@ def _load_entry_points(pm: pluggy.PluginManager, registry: Registry) -> None:
         except Exception as exc:  # a broken plugin must not break the CLI
             registry.broken.append((dist_name, ep.name, f"{type(exc).__name__}: {exc}"))
             continue
-        pm.register(plugin, name=ep.name)
-        registry.dists[id(plugin)] = (dist_name, ep.dist.version if ep.dist else "?")
+        if _register(pm, registry, plugin, ep.name, dist_name):
+            registry.dists[id(plugin)] = (dist_name, ep.dist.version if ep.dist else "?")
 
 
 ENV_PLUGINS = "RLCLI_PLUGINS"
@@ -124,8 +140,22 @@ def _load_env_plugins(pm: pluggy.PluginManager, registry: Registry) -> None:
             continue
         if pm.is_registered(plugin):
             continue
-        pm.register(plugin, name=f"env:{spec}")
-        registry.dists[id(plugin)] = (label, "-")
+        if _register(pm, registry, plugin, f"env:{spec}", label):
+            registry.dists[id(plugin)] = (label, "-")
+
+
+def _register(pm: pluggy.PluginManager, registry: Registry, plugin: Any, name: str, dist: str) -> bool:
+    """Register one installed plugin; one pluggy refuses (a misspelt hook, a wrong signature) is
+    recorded as broken, as a failed import is."""
+    try:
+        pm.register(plugin, name=name)
+        pm.check_pending()
+    except Exception as exc:
+        if pm.is_registered(plugin):
+            pm.unregister(plugin)
+        registry.broken.append((dist, name, f"{type(exc).__name__}: {exc}"))
+        return False
+    return True
 
 
 def build_plugin_manager() -> tuple[pluggy.PluginManager, Registry]:
@@ -152,17 +182,28 @@ def _fill(pm: pluggy.PluginManager, registry: Registry) -> None:
                 continue
             for cls in classes:
                 name = getattr(cls, "name", None)
-                if not isinstance(name, str) or not name:
-                    raise PluginError(f"{dist}: {hook_name} returned {cls!r} without a string 'name' attribute")
-                if not hasattr(cls, "Config"):
-                    raise PluginError(f"{dist}: {kind} {name!r} ({cls.__qualname__}) has no 'Config' model")
-                prev = registry.entries[kind].get(name)
-                if prev is not None and prev.cls is not cls:
-                    raise PluginError(
-                        f"{kind} name {name!r} is claimed twice: by {prev.dist} ({prev.cls.__module__}) "
-                        f"and by {dist} ({cls.__module__}); uninstall one of them"
-                    )
-                registry.entries[kind][name] = Entry(kind, name, cls, dist, version, impl.plugin_name)
+                if not isinstance(name, str) or not name:  # recorded like a broken plugin, never fatal
+                    registry.broken.append((dist, impl.plugin_name, f"{hook_name} returned {cls!r} without a "
+                                            "string 'name' attribute"))
+                elif not hasattr(cls, "Config"):
+                    registry.broken.append((dist, impl.plugin_name, f"{kind} {name!r} ({cls.__qualname__}) has "
+                                            "no 'Config' model"))
+                else:
+                    _add(registry, Entry(kind, name, cls, dist, version, impl.plugin_name))
+
+
+def _add(registry: Registry, entry: Entry) -> None:
+    """Register ``entry``; a name another class already claims becomes a clash (neither is usable)."""
+    table, key = registry.entries[entry.kind], (entry.kind, entry.name)
+    if key in registry.clashes:
+        if all(e.cls is not entry.cls for e in registry.clashes[key]):
+            registry.clashes[key].append(entry)
+        return
+    prev = table.get(entry.name)
+    if prev is not None and prev.cls is not entry.cls:
+        registry.clashes[key] = [table.pop(entry.name), entry]
+        return
+    table[entry.name] = entry
 
 
 _REGISTRY: Registry | None = None

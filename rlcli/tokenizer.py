@@ -65,6 +65,19 @@ def builtin_tokenizer(name: str) -> PreTrainedTokenizerFast:
         ) from None
 
 
+def warn_unknown_tokens(tok: PreTrainedTokenizerBase, texts: list[str], ids: list[list[int]], what: str) -> int:
+    """Log one warning when some of ``texts`` (encoded as ``ids``) hold characters ``tok`` cannot
+    encode (they became its unknown token), naming the characters; returns how many texts did."""
+    unk = getattr(tok, "unk_token_id", None)
+    bad = [t for t, i in zip(texts, ids) if unk is not None and unk in i]
+    if bad:
+        chars = sorted({c for t in bad[:100] for c in set(t) if unk in tok.encode(c, add_special_tokens=False)})
+        log.warning("%s: %d of %d texts hold characters the tokenizer cannot encode (each becomes %s): %s%s; the "
+                    "built-in tokenizers' vocabularies are in docs/recipes.md", what, len(bad), len(texts),
+                    tok.unk_token, " ".join(repr(c) for c in chars[:30]), " ..." if len(chars) > 30 else "")
+    return len(bad)
+
+
 def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
     """Load ``builtin:<name>``, a tokenizer directory or a Hub id (``org/name``: the Hugging Face
     cache, downloading only when online, :func:`rlcli.hub.locate`)."""

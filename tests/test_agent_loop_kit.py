@@ -51,6 +51,7 @@ class TwoTurn(AgentLoop):
 
     name: ClassVar[str] = "two_turn"
     bug: ClassVar[str | None] = None
+    separator: ClassVar[str] = "="
 
     async def run_sample(self, sample: Sample) -> Sample:
         if sample.status == Status.COMPLETED:
@@ -58,7 +59,7 @@ class TwoTurn(AgentLoop):
         p = self.config.sample_params
         if self.bug != "temperature":
             sample.temperature = p.temperature if p.temperature > 0 else 1.0
-        sep = self.tokenizer.encode("=", add_special_tokens=False)
+        sep = self.tokenizer.encode(self.separator, add_special_tokens=False)
         reason = None
         while reason is None:
             ids, mask = sample.response_ids, sample.response_mask
@@ -114,6 +115,23 @@ def test_kit_passes_on_a_correct_two_turn_loop():
 def test_each_check_fails_on_the_loop_that_breaks_its_rule(bug, check, message):
     with pytest.raises(AssertionError, match=message):
         alc.ALL_CHECKS[check](two_turn(bug))
+
+
+@pytest.mark.parametrize("separator, warned", [("=", False), (" Final:", True)])
+def test_inserted_text_the_tokenizer_cannot_encode_is_warned_once(caplog, separator, warned):
+    """builtin:arith has no upper case: ' Final:' inserts an <unk> token in every sample."""
+    cls = type("Sep", (TwoTurn,), {"separator": separator})
+    kit = alc.make_kit(stop_prob=0.5)
+    loop = kit.loop(lambda sp, **rt: cls(cls.Config(sample_params=sp), **rt), kit.backend(), alc.RecordingJudgePool())
+    samples = [kit.sample(0, uid=u) for u in range(8)]
+    with caplog.at_level(logging.WARNING, logger="rlcli.agent_loops.base"):
+        asyncio.run(loop.run_group(samples))
+    assert any(0 in s.response_mask for s in samples)
+    hits = [r.getMessage() for r in caplog.records if "cannot encode" in r.getMessage()]
+    expected = ("agent loop 'two_turn' inserted text that the tokenizer cannot encode (<unk> tokens in task "
+                f"{samples[0].task_name!r}'s responses): use only characters of its vocabulary "
+                "(docs/recipes.md lists the built-in tokenizers')")
+    assert hits == ([expected] if warned else [])
 
 
 def test_an_exception_in_the_loop_reaches_the_kit_with_its_traceback():

@@ -186,7 +186,12 @@ def test_gsm8k_converter_lists_every_skipped_line(tmp_path):
     lines = [json.dumps({"question": f"q{i}", "answer": "no final answer"}).encode() for i in range(12)]
     src = write(tmp_path / "raw.jsonl", lines)
     out = CliRunner().invoke(cli, ["data", "gsm8k", str(src), str(tmp_path / "out.jsonl")])
-    assert out.exit_code == 0 and "skipped 12 malformed rows" in out.stdout
-    assert all(f"{src}:{i}:" in out.stderr for i in range(1, 13))
+    assert out.exit_code == 2 and "no usable GSM8K row (12 malformed); nothing written" in out.stderr  # issue 29
+    assert all(f"{src}:{i}:" in out.stderr for i in range(1, 13)) and not (tmp_path / "out.jsonl").exists()
+    good = json.dumps({"question": "q", "answer": "#### 1"}).encode()
+    out = CliRunner().invoke(cli, ["data", "gsm8k", str(write(tmp_path / "raw2.jsonl", [*lines, good])),
+                                   str(tmp_path / "out.jsonl")])
+    assert out.exit_code == 0 and "wrote 1 rows" in out.stdout and "skipped 12 malformed rows" in out.stdout
+    assert all(f"raw2.jsonl:{i}:" in out.stderr for i in range(1, 13))
     unwritable = CliRunner().invoke(cli, ["data", "gsm8k", str(src), str(src / "out.jsonl")])
     assert unwritable.exit_code == 2 and "cannot convert" in unwritable.output

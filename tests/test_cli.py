@@ -41,6 +41,9 @@ def test_validate_ok(runner, repo):
     (["tasks.0.judger.name=nope"], "tasks.0.judger.name"),
     (["tasks.0.judger.bogus=1"], "tasks.0.judger.bogus"),
     (["rollout.name=nope"], "rollout.name"),
+    (["advantage.name=GRPO"], "advantage.name: unknown advantage_estimator 'GRPO'; available: dr_grpo, grpo"),
+    (["advantage.name=GRPO"], "(did you mean 'grpo'?)"),
+    (["trainer.lr=0.1"], "trainer.lr: unknown key here (did you mean train_worker.optimizer.lr?)"),
 ])
 def test_validate_rejects_with_exit_2_and_no_side_effects(runner, repo, tmp_path, monkeypatch, overrides, expect):
     import transformers
@@ -92,6 +95,15 @@ def test_recipes_lists_builtins(runner):
     assert "quickstart.yaml" in out.output and "gsm8k-colocate.yaml" in out.output
 
 
+@pytest.mark.parametrize("name", ["quickstart.yaml", "quickstart"])
+def test_a_listed_recipe_name_validates_from_another_directory(runner, tmp_path, monkeypatch, name):
+    monkeypatch.chdir(tmp_path)
+    out = runner.invoke(cli, ["validate", name])
+    assert out.exit_code == 0, out.output
+    assert "recipes/quickstart.yaml: OK" in out.output
+    assert runner.invoke(cli, ["validate", "no-such-recipe"]).exit_code == 2
+
+
 def test_data_gsm8k(runner, tmp_path):
     raw = tmp_path / "raw.jsonl"
     raw.write_text(json.dumps({"question": "2+3?", "answer": "it is 5\n#### 5"}) + "\n{broken\n")
@@ -101,6 +113,16 @@ def test_data_gsm8k(runner, tmp_path):
     assert "wrote 1 rows" in out.output and "skipped 1" in out.output
     row = json.loads(out_path.read_text().splitlines()[0])
     assert row["reward_model"]["ground_truth"] == "5" and row["data_source"] == "openai/gsm8k"
+
+
+def test_data_gsm8k_without_a_usable_row_exits_2_and_writes_nothing(runner, tmp_path):
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text(json.dumps({"question": "2+3?"}) + "\n{broken\n")
+    out = runner.invoke(cli, ["data", "gsm8k", str(raw), str(tmp_path / "out.jsonl")])
+    assert out.exit_code == 2
+    assert f"{raw}: no usable GSM8K row (2 malformed); nothing written to {tmp_path / 'out.jsonl'}" in out.output
+    assert f"{raw}:1: missing 'answer'" in out.output and f"{raw}:2: " in out.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw.jsonl"]
 
 
 @pytest.mark.parametrize("how", ["plain", "--debug", "RLCLI_DEBUG=1"])
@@ -128,3 +150,15 @@ def test_gsm8k_recipe_validates_with_a_model_path(runner, repo, tiny_llama_4k, t
     out = runner.invoke(cli, ["validate", str(repo / "recipes" / "gsm8k-colocate.yaml"), f"model.path={tiny_llama_4k}",
                               f"tasks.0.sampler.path={data}", f"eval.tasks.0.sampler.path={data}"])
     assert out.exit_code == 0, out.output
+
+
+def test_console_lines_say_what_was_measured():
+    from rlcli.runner.records import final_summary, step_summary
+
+    assert step_summary({"eval/accuracy": 0.25, "timing/step_s": 0.5}) == "eval/acc 0.250 | 0.50s"  # step 0: no reward
+    line = step_summary({"reward/mean": 0.5, "train/loss": 3.7e-9, "train/grad_norm": 1.234, "timing/step_s": 1})
+    assert line == "reward 0.500 | loss +3.70e-09 | grad_norm 1.23 | 1.00s"
+    assert "loss -0.1235 " in step_summary({"train/loss": -0.12345})
+    final = {"reward/mean": 0.5, "eval/accuracy": 0.75, "eval/engine/busy_s": 0.1, "eval/judger/calls": 3.0,
+             "eval/agent_loop/errors": 0.0, "train/loss": 0.1}
+    assert final_summary(final) == "reward/mean 0.5 | eval/accuracy 0.75"

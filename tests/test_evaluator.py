@@ -37,7 +37,21 @@ def groups(*successes: list[int], source: str = "src") -> list[Sample]:
 # ------------------------------------------------------------------------------ accuracy
 def test_accuracy_xtuner_behaviour_59():
     samples = [judged(x) for x in (1, 0, 0.5, -1)]
-    assert AccuracyMetric().compute(samples) == {"accuracy": 0.5, "failed": 0.0}
+    xtuner = AccuracyMetric(AccuracyMetric.Config(correct_at="positive"))
+    assert xtuner.compute(samples) == {"accuracy": 0.5, "failed": 0.0}
+
+
+def test_accuracy_counts_full_score_by_default_and_correct_at_sets_it():
+    """Issue 29: partial credit (0.5) is not correct unless the recipe says so."""
+    samples = [judged(x) for x in (1, 0, 0.5, 0.99, 2.0, -1)]
+    assert AccuracyMetric().compute(samples)["accuracy"] == pytest.approx(2 / 6)
+    assert AccuracyMetric(AccuracyMetric.Config(correct_at=0.5)).compute(samples)["accuracy"] == pytest.approx(4 / 6)
+    partial = groups([0.5, 0.5], [1, 0])
+    assert PassAtKMetric(PassAtKMetric.Config(k=[2])).compute(partial)["pass@2"] == 0.5
+    assert PassAtKMetric(PassAtKMetric.Config(k=[2], correct_at="positive")).compute(partial)["pass@2"] == 1.0
+    for bad in ("full", None):
+        with pytest.raises(ValidationError):
+            AccuracyMetric.Config(correct_at=bad)
 
 
 def test_accuracy_empty_and_failed():

@@ -109,7 +109,7 @@ def test_nothing_matches_says_why(work):
 
 def test_step_that_was_not_dumped(work):
     out = invoke(work, "--step", 7)
-    assert out.exit_code == 0 and out.stdout == ""
+    assert out.exit_code == 2 and out.stdout == ""
     assert "no rollouts were dumped for step 7 (dumped steps: 1-2, 10)" in out.stderr
 
 

@@ -39,7 +39,7 @@ def test_third_party_plugin_object_registers():
     assert e.cls is Shout and e.dist == "<inline>"
 
 
-def test_duplicate_name_is_an_error_naming_both():
+def test_duplicate_name_is_a_clash_naming_both_and_only_that_name_fails():
     class Fake(Judger):
         """Duplicate."""
 
@@ -50,8 +50,84 @@ def test_duplicate_name_is_an_error_naming_both():
         def register_judgers(self):
             return [Fake]
 
-    with pytest.raises(PluginError, match=r"claimed twice.*rlcli.*<inline>|claimed twice.*<inline>.*rlcli"):
-        registry_with(Plugin())
+    reg = registry_with(Plugin())
+    assert [e.dist for e in reg.clashes[("judger", "gsm8k")]] == ["rlcli", "<inline>"]
+    with pytest.raises(PluginError, match=r"judger name 'gsm8k' is claimed twice: by rlcli \(rlcli\.judgers.*\) "
+                                          r"and by <inline> \(tests\.test_plugins\)"):
+        reg.get("judger", "gsm8k")
+    assert reg.get("judger", "exact_match") and "gsm8k" not in reg.names("judger")
+
+
+CLASH_PLUGIN = """
+from rlcli import hookimpl
+from rlcli.judgers.base import Judger
+class Exact(Judger):
+    '''Another exact_match.'''
+    name = 'exact_match'
+    def judge(self, response, label, sample):
+        return 1.0
+@hookimpl
+def register_judgers():
+    return [Exact]
+"""
+
+
+def test_a_clashing_installed_plugin_fails_only_recipes_using_the_name(repo, tmp_path, monkeypatch):
+    """Acceptance 5 of issue 29: a pip-installed plugin (an ``rlcli`` entry point) claiming
+    ``exact_match``: ``rlcli plugins`` exits 0 and names the clash, a recipe without that name
+    trains, one with it exits 2 naming both providers."""
+    import importlib
+    import importlib.metadata as md
+    import json
+
+    from click.testing import CliRunner
+
+    from rlcli import plugins as plugmod
+    from rlcli.cli import cli
+
+    (tmp_path / "clashplug.py").write_text(CLASH_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Dist:
+        metadata = {"name": "rlcli-clashplug"}
+        version = "9.9"
+
+    class EP:
+        name, value, dist = "clashplug", "clashplug", Dist()
+
+        def load(self):
+            return importlib.import_module("clashplug")
+
+    real = md.entry_points
+    monkeypatch.setattr(plugmod.md, "entry_points",
+                        lambda group=None: [EP()] if group == "rlcli" else real(group=group))
+    monkeypatch.delenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("RLCLI_LOAD_PLUGINS", raising=False)
+    monkeypatch.setattr(plugmod, "_REGISTRY", None)  # the CLI's registry, built afresh with the plugin
+    run = CliRunner().invoke
+    text = run(cli, ["plugins"])
+    assert text.exit_code == 0, text.output
+    line = next(x for x in text.output.splitlines() if x.startswith("name clash: judger 'exact_match' is "))
+    assert "rlcli 0.1.0 (rlcli.judgers" in line and "rlcli-clashplug 9.9 (clashplug)" in line, line
+    js = run(cli, ["plugins", "--json"])
+    assert js.exit_code == 0, js.output
+    (clash,) = json.loads(js.output)["clashes"]
+    assert (clash["kind"], clash["name"]) == ("judger", "exact_match")
+    assert sorted(p["distribution"] for p in clash["providers"]) == ["rlcli", "rlcli-clashplug"]
+
+    recipe = str(repo / "recipes" / "quickstart.yaml")
+    used = run(cli, ["validate", recipe])
+    assert used.exit_code == 2
+    assert "tasks.0.judger.name: judger name 'exact_match' is claimed twice: by " in used.output
+    assert "rlcli-clashplug (clashplug)" in used.output and "rlcli (rlcli.judgers" in used.output
+    other = ["tasks.0.judger={name: char_match, executor: inline}", "trainer.enable_evaluate=false",
+             "trainer.enable_initial_evaluate=false", "~eval"]
+    ok = run(cli, ["train", recipe, *other, "--quiet", "--work-dir", str(tmp_path / "w"),
+                   "trainer.total_train_steps=1", "trainer.train_batch_size=2"])
+    assert ok.exit_code == 0, ok.output
+    assert re.fullmatch(rf"done: {re.escape(str(tmp_path / 'w'))} \| reward/mean [\d.]+\n", ok.output)  # --quiet
+    rows = [json.loads(x) for x in (tmp_path / "w" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and rows[-1]["judger/calls"] > 0
 
 
 def test_component_without_name_is_rejected():
@@ -63,8 +139,41 @@ def test_component_without_name_is_rejected():
         def register_judgers(self):
             return [NoName]
 
-    with pytest.raises(PluginError, match="without a string 'name'"):
-        registry_with(Plugin())
+    reg = registry_with(Plugin())  # recorded as broken, never fatal to the other components
+    assert "without a string 'name'" in reg.broken[0][2] and reg.get("judger", "gsm8k")
+    with pytest.raises(PluginError, match="failed to load.*without a string 'name'"):
+        reg.get("judger", "nope")
+
+
+def test_a_plugin_pluggy_refuses_is_reported_not_fatal(monkeypatch):
+    """A misspelt hook name in an installed plugin: recorded as broken, the rest works."""
+    import importlib.metadata as md
+    import types
+
+    from rlcli import plugins as plugmod
+
+    mod = types.ModuleType("misspelt")
+
+    @hookimpl
+    def register_judger():  # the hook is register_judgers
+        return []
+
+    mod.register_judger = register_judger
+
+    class EP:
+        name, value, dist = "misspelt", "misspelt", None
+
+        def load(self):
+            return mod
+
+    real = md.entry_points
+    monkeypatch.setattr(plugmod.md, "entry_points",
+                        lambda group=None: [EP()] if group == "rlcli" else real(group=group))
+    monkeypatch.delenv("RLCLI_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.delenv("RLCLI_LOAD_PLUGINS", raising=False)
+    reg = plugmod.registry_with()
+    assert [b[:2] for b in reg.broken] == [("misspelt", "misspelt")] and "register_judger" in reg.broken[0][2]
+    assert reg.get("judger", "gsm8k")
 
 
 def test_unknown_name_lists_available():

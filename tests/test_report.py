@@ -242,7 +242,8 @@ def test_whatever_counters_and_tasks_a_run_logs_are_rendered(run_a, tmp_path):
                 r.update({"rollout/aborted_groups": float(r["step"]), "rollout/staleness_max": 2.0,
                           "rollout/brand_new_counter": 0.0, "task/math/reward_mean": 0.5, "task/code/reward_mean": 0.25})
             if "eval/accuracy" in r:
-                r.update({"eval/math/accuracy": 0.5, "eval/code/accuracy": 0.25})
+                r.update({"eval/math/accuracy": 0.5 + r["step"] / 10, "eval/code/accuracy": 0.25 + r["step"] / 10,
+                          "eval/flat/accuracy": 0.75})
             f.write(json.dumps(r) + "\n")
     _report(work, "--out", tmp_path / "r.html")
     page = _parse((tmp_path / "r.html").read_text())
@@ -256,6 +257,29 @@ def test_whatever_counters_and_tasks_a_run_logs_are_rendered(run_a, tmp_path):
     reward_alts = " ".join(page.sections["reward"]["alts"])
     for title in ("training reward by task", "eval/accuracy", "eval/math/accuracy", "eval/code/accuracy"):
         assert title in reward_alts
+    # issue 29: no flat plots (a constant series is named instead), no engine counters among the eval
+    # curves, a reward band of one std (not min-max, which fills 0-1 for binary rewards)
+    assert "eval/flat/accuracy" not in reward_alts and "eval/engine" not in reward_alts
+    assert re.search(r"The same at every step, not drawn:\s+eval/flat/accuracy\s+= 0.75", page.text("reward"))
+    assert "training reward (mean; band: ±1 std over samples)" in reward_alts
+    assert re.search(r"train/lr\s+= 0.001", page.text("training")) and "learning rate" not in " ".join(
+        page.sections["training"]["alts"])
+
+
+def test_reward_band_and_time_in_steps_of_a_resumed_run(tmp_path):
+    """The band is mean ± std within min..max; the time of a run resumed after an hour is its steps' time."""
+    from rlcli.report.rundata import load_run
+    from rlcli.report.sections import _reward_spread
+
+    rows = [{"step": 0, "time": 100.0, "timing/eval_s": 1.0},
+            {"step": 1, "time": 102.0, "timing/step_s": 2.0, "reward/mean": 0.2, "reward/std": 0.4,
+             "reward/min": 0.0, "reward/max": 1.0},
+            {"step": 2, "time": 3702.0, "timing/step_s": 3.0, "reward/mean": 0.5, "reward/std": 0.1,
+             "reward/min": 0.0, "reward/max": 1.0}]  # resumed an hour later
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(tmp_path)
+    assert run.wall_time_s == 6.0
+    assert _reward_spread(-1)(run) == ([1, 2], [0.0, 0.4]) and _reward_spread(1)(run) == ([1, 2], [0.6000000000000001, 0.6])
 
 
 def test_a_section_that_breaks_does_not_cost_the_page(decorated, tmp_path, monkeypatch):
@@ -305,9 +329,9 @@ def test_a_300_step_run_reports_in_seconds(run_a, tmp_path):
     roll_file = (run_a / "rollouts" / "step-3.jsonl").read_text()
     with (work / "metrics.jsonl").open("w") as f:
         for s in range(0, 301):
-            row = {**train_row, "step": s, "reward/mean": s / 300, "time": 1000.0 + s}
+            row = {**train_row, "step": s, "reward/mean": s / 300, "time": 1000.0 + s, "train/loss": s / 1000}
             if s % 25 == 0:
-                row.update(eval_keys)
+                row.update(eval_keys, **{"eval/accuracy": s / 300})  # a constant series is not drawn
                 (work / "eval" / f"step-{s}.jsonl").write_text(eval_file)
             if s:
                 (work / "rollouts" / f"step-{s}.jsonl").write_text(roll_file)

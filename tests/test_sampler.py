@@ -38,6 +38,15 @@ def test_groups_and_ids(tmp_path, tok):
     assert groups[0][0] is not groups[0][1] and groups[0][0].response_ids is not groups[0][1].response_ids
 
 
+def test_prompts_the_tokenizer_cannot_encode_are_warned_naming_the_characters(tmp_path, tok, caplog):
+    bad = {**row(1), "prompt": [{"role": "user", "content": "Final: 1+1=?"}]}
+    with caplog.at_level("WARNING", logger="rlcli"):
+        make(write(tmp_path / "d.jsonl", [row(0), bad]), tok)
+    (msg,) = [r.getMessage() for r in caplog.records if "cannot encode" in r.getMessage()]
+    assert msg.startswith(f"task 't': prompts of {tmp_path / 'd.jsonl'}: 1 of 2 texts hold characters the "
+                          "tokenizer cannot encode (each becomes <unk>): 'F'; ")
+
+
 def test_epochs_reshuffle_and_resume(tmp_path, tok):
     p = write(tmp_path / "d.jsonl", [row(i) for i in range(5)])
     a = make(p, tok, seed=3)
@@ -243,3 +252,25 @@ def test_decode_batcher_without_the_rust_fast_path_decodes_every_chunk_inline(mo
     monkeypatch.setattr(T.copy, "deepcopy", lambda x: (_ for _ in ()).throw(TypeError("cannot pickle")))
     assert asyncio.run(many()) == [tok.decode(s, skip_special_tokens=True) for s in seqs]
     assert batcher._background_tok is None and not batcher._background
+
+
+def test_every_built_in_tokenizer_and_its_vocabulary_is_documented(repo):
+    """docs/recipes.md's table of built-in tokenizers lists each one with exactly its vocabulary."""
+    import re
+    import string
+
+    from rlcli.tokenizer import BUILTIN_TOKENIZERS
+
+    text = (repo / "docs" / "recipes.md").read_text()
+    rows = dict(re.findall(r"^\| `builtin:(\w+)` \| (.+) \|$", text, re.MULTILINE))
+    assert sorted(rows) == sorted(BUILTIN_TOKENIZERS)
+    for name, cell in rows.items():
+        tok = load_tokenizer(f"builtin:{name}")
+        vocab = sorted(tok.get_vocab(), key=tok.get_vocab().get)
+        assert vocab[:4] == ["<pad>", "<eos>", "<bos>", "<unk>"], name
+        documented = set(re.match(r"`([^`]+)`", cell).group(1))
+        documented |= set(string.ascii_lowercase) if "`a` to `z`" in cell else set()
+        documented |= {" "} if "space" in cell else set()
+        documented |= {"\n"} if "newline" in cell else set()
+        assert documented == set(vocab[4:]), (name, sorted(documented ^ set(vocab[4:])))
+    assert load_tokenizer("builtin:digits").tokenize(" Final:") == ["<unk>"] * 7  # as the docs say

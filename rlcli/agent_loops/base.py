@@ -119,7 +119,7 @@ class AgentLoop(Component):
         self.eos = set(eos_token_ids)
         self.seed, self.salt = seed, salt
         self._errors = 0
-        self._warned = False
+        self._warned = self._unk_warned = False
 
     async def run_group(self, samples: list[Sample]) -> list[Sample]:
         """Run every sample concurrently; a sample whose :meth:`run_sample` raises is FAILED alone."""
@@ -135,6 +135,19 @@ class AgentLoop(Component):
             await self.run_sample(sample)
         except Exception as exc:  # a bug in the loop fails its sample, not the run
             self.fail_sample(sample, exc)
+            return
+        if not getattr(self, "_unk_warned", False):
+            self._warn_inserted_unknown(sample)
+
+    def _warn_inserted_unknown(self, sample: Sample) -> None:
+        """Warn once when text the loop inserted (mask 0) encoded to the tokenizer's unknown token."""
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if unk is not None and any(i == unk and not m for i, m in zip(sample.response_ids, sample.response_mask)):
+            self._unk_warned = True
+            log.warning("agent loop %r inserted text that the tokenizer cannot encode (%s tokens in task %r's "
+                        "responses): use only characters of its vocabulary (docs/recipes.md lists the built-in "
+                        "tokenizers')", getattr(self, "name", type(self).__name__), self.tokenizer.unk_token,
+                        sample.task_name)
 
     def fail_sample(self, sample: Sample, exc: BaseException) -> None:
         """Make ``sample`` FAILED because the loop raised ``exc`` while running it.

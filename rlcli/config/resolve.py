@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from rlcli.component import ChecksConfig
 from rlcli.config.issues import Issue
 from rlcli.config.spec import ComponentSpec
-from rlcli.config.tree import _dotted, _model_class_at
+from rlcli.config.tree import _dotted, _model_class_at, _paths_of_field
 from rlcli.plugins import PluginError, Registry
 
 
@@ -56,7 +56,11 @@ def _issue_from_pydantic(model_cls: type[BaseModel], err: dict, prefix: tuple = 
         if owner is not None:
             fields = list(owner.model_fields)
             close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
-            msg += f" (did you mean {close[0]!r}?)" if close else f"; allowed: {', '.join(fields)}"
+            elsewhere = [] if close or prefix else _paths_of_field(model_cls, str(loc[-1]))[:3]
+            if elsewhere:  # the key belongs to another section of the recipe
+                msg += f" here (did you mean {' or '.join(elsewhere)}?)"
+            else:
+                msg += f" (did you mean {close[0]!r}?)" if close else f"; allowed: {', '.join(fields)}"
         return Issue(path, msg + extra)
     if err["type"] == "missing":
         return Issue(path, "required field is missing" + extra)

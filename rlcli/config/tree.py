@@ -56,6 +56,19 @@ def _model_class_at(model_cls: type[BaseModel], loc: tuple) -> type[BaseModel] |
     return cls if isinstance(cls, type) and issubclass(cls, BaseModel) else None
 
 
+def _paths_of_field(model_cls: type[BaseModel], name: str, path: tuple = ()) -> list[str]:
+    """Dotted paths of every field called ``name`` in ``model_cls``'s schema (not inside lists), for
+    the hint on a key written in the wrong section (``trainer.lr`` -> ``train_worker.optimizer.lr``)."""
+    out = []
+    for fname, finfo in model_cls.model_fields.items():
+        if fname == name:
+            out.append(_dotted(path + (fname,)))
+        inner, is_list = _unwrap(finfo.annotation)
+        if not is_list and isinstance(inner, type) and issubclass(inner, BaseModel):
+            out += _paths_of_field(inner, name, path + (fname,))
+    return out
+
+
 def _walk_raw(model_cls: type[BaseModel], raw: Any, path: tuple, out: list) -> None:
     """Find component sections in raw (unvalidated) data by following the schema."""
     if not isinstance(raw, dict):

@@ -13,7 +13,8 @@ converted line can be traced back to its source even when others were skipped. T
 is the text after the last ``####`` with thousands separators removed ("1,200" -> "1200").
 
 A malformed line (bad JSON, missing or empty fields, no ``####`` answer) is skipped and reported
-as ``file:line: reason`` in the returned ``skipped`` list; it never aborts the conversion. The
+as ``file:line: reason`` in the returned ``skipped`` list; it never aborts the conversion, but a
+file with no usable line at all raises :class:`~rlcli.data.base.DataError` and writes nothing. The
 output is written atomically: a temporary file in the target directory, renamed into place at the
 end.
 """
@@ -115,6 +116,12 @@ def convert_gsm8k(
                     progress(done, total)
             out.flush()
             os.fsync(out.fileno())
+        if not written:
+            from rlcli.data.base import DataError
+
+            empty = DataError(f"{src}: no usable GSM8K row ({len(skipped)} malformed); nothing written to {dst}")
+            empty.skipped = skipped  # type: ignore[attr-defined]
+            raise empty
         os.chmod(tmp_name, _file_mode(dst))
         os.replace(tmp_name, dst)
     except BaseException:

@@ -158,6 +158,9 @@ class RowSampler(Sampler):
             templated.append(r)
         self.skipped.sort(key=lambda s: s.line)
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        from rlcli.tokenizer import warn_unknown_tokens  # torch and transformers: not at import
+
+        warn_unknown_tokens(self.tokenizer, texts, ids, f"task {self.task_name!r}: prompts of {self.path}")
         prompts = []
         limit = cfg.max_prompt_length
         for r, text, pids in zip(templated, texts, ids):

@@ -416,6 +416,7 @@ class RolloutManager:
         pause_s, self._pause_s = self._pause_s, 0.0
         m.update({
             "reward/mean": statistics.fmean(scores) if scores else 0.0,
+            "reward/std": statistics.pstdev(scores) if scores else 0.0,
             "reward/min": min(scores, default=0.0),
             "reward/max": max(scores, default=0.0),
             "reward/raw_mean": total.raw_reward_sum / total.raw_reward_count if total.raw_reward_count else 0.0,

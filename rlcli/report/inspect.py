@@ -176,7 +176,8 @@ def run_inspect(work_dir: Path, *, step: int | None = None, task: str | None = N
     """Print the matching rollouts; returns how many were printed.
 
     Raises ``click.ClickException`` (exit 1) when the run has no dumped rollouts at all, or the
-    filters contradict each other; prints a note on stderr (exit 0) when nothing matches.
+    filters contradict each other, (exit 2) when ``step`` was not dumped, naming the steps that
+    were; prints a note on stderr (exit 0) when nothing matches.
     """
     work_dir = Path(work_dir)
     if limit is not None and limit < 1:
@@ -191,6 +192,10 @@ def run_inspect(work_dir: Path, *, step: int | None = None, task: str | None = N
         raise click.ClickException(
             f"{roll} {why}: this run dumped no rollouts (is it an rlcli work dir? the trainer writes "
             "rollouts/step-N.jsonl every step when trainer.dump_rollout_groups > 0)")
+    if step is not None and step not in sel.dumped_steps:  # a step that does not exist: a user mistake
+        missing = click.ClickException(_nothing_matches(sel, step, task, min_reward, max_reward))
+        missing.exit_code = 2
+        raise missing
     if sel.unreadable:
         click.secho(f"note: skipped {sel.unreadable} unreadable line(s) (a file being written?)", fg="yellow", err=True)
     if not sel.rows:

@@ -90,4 +90,18 @@ def all_zero(runs: Sequence[Run], key: str) -> bool:
     return all(all(v == 0 for v in r.series(key)[1]) for r in runs)
 
 
+def constant(runs: Sequence[Run], key: str) -> float | None:
+    """The one value ``key`` takes at every logged step of every run (two values or more logged), else None."""
+    values = [v for r in runs for v in r.series(key)[1]]
+    return values[0] if len(values) > 1 and all(v == values[0] for v in values) else None
+
+
+def constants_note(runs: Sequence[Run], keys: Sequence[str]) -> str:
+    """One line naming the metrics of ``keys`` left undrawn because they never change."""
+    if not keys:
+        return ""
+    return ("<p class='note'>The same at every step, not drawn: "
+            + ", ".join(f"<code>{esc(k)}</code> = {fmt(constant(runs, k))}" for k in keys) + ".</p>")
+
+
 # ----------------------------------------------------------------------------------- sections

@@ -53,6 +53,7 @@ class Panel:
     lines: list[Line]
     ylabel: str = ""
     band: tuple[Getter, Getter] | None = None  # (low, high) shaded around the first line
+    band_label: str = ""
     note: str = ""
     ylim: tuple[float | None, float | None] | None = None
     xlabel: str = "step"
@@ -165,7 +166,7 @@ def panels_figure(runs: Sequence[Run], panels: Sequence[Panel], ncols: int = 2, 
                         lmap = dict(zip(lx, lo))
                         ax.fill_between(bx, [lmap[x] for x in bx], [hmap[x] for x in bx], color=color,
                                         alpha=0.12 if multi else 0.18, linewidth=0,
-                                        label="min–max" if (ri == 0) else None)
+                                        label=(p.band_label or None) if ri == 0 else None)
         if not drawn:
             ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="#888")
         if p.ylim is not None:

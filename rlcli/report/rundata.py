@@ -137,6 +137,12 @@ class Run:
 
     @property
     def wall_time_s(self) -> float | None:
+        """Seconds spent in the logged steps: the sum of ``timing/step_s`` (step 0: its eval), so that
+        the idle time between the runs of a resumed job does not count; a run that logged no step
+        time: its last ``time`` minus its first."""
+        if self.has("timing/step_s"):
+            return sum(v for r in self.rows for v in [to_float(r.get("timing/step_s", r.get("timing/eval_s")))]
+                       if v is not None and math.isfinite(v))
         s, t = self.series("time")
         return t[-1] - t[0] if len(t) >= 2 else None
 

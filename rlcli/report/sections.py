@@ -11,6 +11,8 @@ from rlcli.report import plots
 from rlcli.report.markup import (
     Section,
     all_zero,
+    constant,
+    constants_note,
     duration,
     esc,
     figure,
@@ -22,7 +24,7 @@ from rlcli.report.markup import (
     swatch,
     table,
 )
-from rlcli.report.plots import Line, Panel, metric, ratio
+from rlcli.report.plots import Getter, Line, Panel, metric, ratio
 from rlcli.report.rundata import Run
 
 MAX_EVAL_PANELS = 12
@@ -51,7 +53,7 @@ def section_summary(runs: Sequence[Run]) -> Section:
             duration(r.wall_time_s),
         ])
     body = table(["run", "work dir", "description", "status", "last reward/mean", "eval (first → last)",
-                   "wall time"], rows, "summary")
+                   "time in steps"], rows, "summary")
     notes = [(r.label, n) for r in runs for n in r.notes]
     if notes:
         body += '<ul class="notes">' + "".join(
@@ -66,32 +68,52 @@ def _first_last_best(name: str, values: list[float]) -> str:
 
 
 def _eval_keys(runs: Sequence[Run]) -> list[str]:
-    keys = sorted({k for r in runs for k in r.keys("eval/")
-                   if "judger/" not in k and "agent_loop/" not in k})
+    keys = sorted({k for r in runs for k in r.keys("eval/")  # counters, not eval results
+                   if "judger/" not in k and "agent_loop/" not in k and "engine/" not in k})
     keys = [k for k in keys if not (re.search(r"(^|/)failed$", k[5:]) and all_zero(runs, k))]
     first = [k for k in keys if k == "eval/accuracy"]
     return first + [k for k in keys if k != "eval/accuracy"]
+
+
+def _reward_spread(sign: int) -> Getter:
+    """``reward/mean`` plus ``sign`` times ``reward/std`` per step, kept within ``reward/min``..``max``."""
+
+    def get(run: Run) -> tuple[list[float], list[float]]:
+        std = dict(zip(*run.series("reward/std")))
+        bound = dict(zip(*run.series("reward/min" if sign < 0 else "reward/max")))
+        xs, ys = [], []
+        for x, m in zip(*run.series("reward/mean")):
+            if x in std:
+                y = m + sign * std[x]
+                xs.append(x)
+                ys.append(max(y, bound.get(x, y)) if sign < 0 else min(y, bound.get(x, y)))
+        return xs, ys
+
+    return get
 
 
 def section_reward(runs: Sequence[Run]) -> Section:
     panels: list[Panel] = []
     mean = Line("mean", metric("reward/mean"))
     if plots.has_data(runs, mean):
-        panels.append(Panel("training reward (mean; band: min–max)", [mean],
-                            band=(metric("reward/min"), metric("reward/max"))))
+        spread = any(r.has("reward/std") for r in runs)  # runs older than reward/std: no band
+        panels.append(Panel("training reward (mean" + ("; band: ±1 std over samples)" if spread else ")"), [mean],
+                            band=(_reward_spread(-1), _reward_spread(1)) if spread else None, band_label="±1 std"))
     tasks = sorted({k.split("/")[1] for r in runs for k in r.keys("task/") if k.endswith("/reward_mean")})
     if len(tasks) > 1:
         panels.append(Panel("training reward by task", [Line(t, metric(f"task/{t}/reward_mean")) for t in tasks]))
     ekeys = _eval_keys(runs)
-    for k in ekeys[:MAX_EVAL_PANELS]:
+    flat = [k for k in ekeys if constant(runs, k) is not None]
+    drawn = [k for k in ekeys if k not in flat]
+    for k in drawn[:MAX_EVAL_PANELS]:
         panels.append(Panel(k, [Line(k[5:], metric(k), markers=True)]))
-    body = ""
-    if not panels:
+    if not panels and not flat:
         why = no_metrics_reason(runs) or "no reward/* or eval/* metrics logged yet"
         return Section("reward", "Reward and eval", missing(f"Nothing to plot: {why}."))
-    body += figure(runs, panels)
-    if len(ekeys) > MAX_EVAL_PANELS:
-        body += f"<p class='note'>{len(ekeys) - MAX_EVAL_PANELS} more eval metrics are in metrics.jsonl.</p>"
+    body = figure(runs, panels) if panels else ""
+    if len(drawn) > MAX_EVAL_PANELS:
+        body += f"<p class='note'>{len(drawn) - MAX_EVAL_PANELS} more eval metrics are in metrics.jsonl.</p>"
+    body += constants_note(runs, flat)
     if not ekeys:
         body += missing("No eval metrics yet (evaluation is off, or no eval step has been reached).")
     return Section("reward", "Reward and eval", body)
@@ -228,12 +250,13 @@ def section_throughput(runs: Sequence[Run]) -> Section:
 
 def section_training(runs: Sequence[Run]) -> Section:
     title = "Training"
-    panels = [Panel(t, [Line(k.split("/", 1)[1], metric(k))]) for k, t in _TRAIN_PANELS
-              if any(r.has(k) for r in runs)]
-    if not panels:
+    logged = [k for k, _ in _TRAIN_PANELS if any(r.has(k) for r in runs)]
+    flat = [k for k in logged if constant(runs, k) is not None]
+    panels = [Panel(t, [Line(k.split("/", 1)[1], metric(k))]) for k, t in _TRAIN_PANELS if k in logged and k not in flat]
+    if not logged:
         why = no_metrics_reason(runs) or "no train/* metrics logged yet"
         return Section("training", title, missing(f"Nothing to plot: {why}."))
-    body = figure(runs, panels, ncols=3, row_h=2.4)
+    body = (figure(runs, panels, ncols=3, row_h=2.4) if panels else "") + constants_note(runs, flat)
     others = sorted({k for r in runs for k in r.keys("train/")} - {k for k, _ in _TRAIN_PANELS})
     if others:
         body += ("<p class='note'>Also in metrics.jsonl and TensorBoard: "

@@ -118,15 +118,31 @@ def log_to_trackers(trackers: list, step: int, metrics: dict[str, float], groups
             trackers.remove(t)
 
 
+def _figure(x: float) -> str:
+    """A loss-sized number readable at any scale: ``+0.1234``, ``-3.21e-06``, ``+0``."""
+    return f"{x:+.4f}" if x == 0 or abs(x) >= 1e-3 else f"{x:+.2e}"
+
+
 def step_summary(m: dict[str, float]) -> str:
-    """The console line of a step: reward, eval accuracy, loss, step time."""
-    parts = [f"reward {m.get('reward/mean', float('nan')):.3f}"]
+    """The console line of a step: reward (steps that rolled out), eval accuracy, loss (scientific
+    when small: a GRPO loss on policy is near 0 by construction) and grad norm, step time."""
+    parts = [f"reward {m['reward/mean']:.3f}"] if "reward/mean" in m else []
     if "eval/accuracy" in m:
         parts.append(f"eval/acc {m['eval/accuracy']:.3f}")
     if "train/loss" in m:
-        parts.append(f"loss {m['train/loss']:+.4f}")
+        parts.append(f"loss {_figure(m['train/loss'])}")
+    if "train/grad_norm" in m:
+        parts.append(f"grad_norm {m['train/grad_norm']:.3g}")
     parts.append(f"{m.get('timing/step_s', 0):.2f}s")
     return " | ".join(parts)
+
+
+def final_summary(m: dict[str, float]) -> str:
+    """The end-of-run console line's figures: the last reward and eval metrics, without the
+    engine's, judgers' and agent loops' counters."""
+    keys = [k for k in m if k == "reward/mean" or (
+        k.startswith("eval/") and not any(x in k for x in ("judger/", "agent_loop/", "engine/")))]
+    return " | ".join(f"{k} {m[k]:.4g}" for k in keys)
 
 
 def mean(xs: list[float]) -> float:
