@@ -169,12 +169,7 @@ def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_o
     barrier()
 
     with_optim = optimizer is not None and not no_optimizer and bool(optimizer.state)
-    options = _options(lora)
-    if with_optim:
-        msd, osd = get_state_dict(model, optimizer, options=options)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model, options=options)}
+    state = _state(model, optimizer if with_optim else None, lora)
     save_weights(state, tmp / "weights")
     fault_point(f"checkpoint:after_weights:{path.name}")
 
@@ -195,8 +190,23 @@ def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_o
 
 
 def _options(lora: dict[str, Any] | None) -> StateDictOptions:
-    """The model's state dict as checkpoints hold it: every parameter, or (LoRA) the trainable ones only."""
     return StateDictOptions(ignore_frozen_params=True, strict=False) if lora is not None else StateDictOptions()
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lora: dict[str, Any] | None) -> dict:
+    """``{"model": ..., "optim": ...}`` as checkpoints hold them (no ``optim`` without ``optimizer``):
+    every parameter, or (LoRA) the trainable ones only (torch's ``ignore_frozen_params`` keeps a
+    frozen tied alias such as ``lm_head.weight``: dropped here)."""
+    options = _options(lora)
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer, options=options)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model, options=options)}
+    if lora is not None:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        state["model"] = {k: v for k, v in state["model"].items() if k in trainable}
+    return state
 
 
 @contextlib.contextmanager
@@ -250,15 +260,12 @@ def load_checkpoint(
         raise CheckpointError(mismatch)
     with_optim = bool(meta["has_optimizer"]) and load_optimizer and optimizer is not None
     options = _options(lora)
+    state = _state(model, optimizer if with_optim else None, lora)
+    load_weights(state, path / "weights")
     if with_optim:
-        msd, osd = get_state_dict(model, optimizer, options=options)
-        state = {"model": msd, "optim": osd}
-        load_weights(state, path / "weights")
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)
     else:
-        state = {"model": get_model_state_dict(model, options=options)}
-        load_weights(state, path / "weights")
         set_model_state_dict(model, state["model"], options=options)
 
     rank_file = path / f"rank-{rank()}.pt"
