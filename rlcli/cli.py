@@ -160,13 +160,15 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
 def _path_errors() -> tuple[type[Exception], ...]:
     """Errors that end ``train`` and ``eval`` with their message and exit 2, each naming its file or
     field: a checkpoint refused (unsafe or damaged), a write that failed (a full disk), a data file
-    with no usable row and a judger the default process executor cannot pickle."""
+    with no usable row, a judger the default process executor cannot pickle and a recipe problem
+    only the model shows (``model.lora.target_modules`` matching no layer)."""
+    from rlcli.config import RecipeError
     from rlcli.data.base import DataError
     from rlcli.fsutil import WriteError
     from rlcli.judgers.pool import JudgerNotPicklable
     from rlcli.train.checkpoint_files import CheckpointError
 
-    return CheckpointError, WriteError, DataError, JudgerNotPicklable
+    return CheckpointError, WriteError, DataError, JudgerNotPicklable, RecipeError
 
 
 def _check_launch(recipe: str, rec, world_size: int) -> None:

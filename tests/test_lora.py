@@ -148,6 +148,13 @@ def test_export_is_a_peft_adapter_whose_merge_equals_ours(model_dir, tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(str(out / "merged"), dtype=torch.float32).state_dict()
     assert all(torch.equal(exported[n], ours[n]) for n in ours)
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(model_dir.resolve())
+    fresh = make_worker(model_dir)  # what `rlcli eval --checkpoint hf/step-N` does with an adapter
+    fresh.load_adapter(out)
+    assert all(torch.equal(t, ours[n]) for n, t in fresh.full_state_dict().items())
+    with pytest.raises(CheckpointError, match="is a LoRA adapter"):
+        make_worker(model_dir, lora=None).load_adapter(out)
+    with pytest.raises(CheckpointError, match="an adapter of r=4"):
+        make_worker(model_dir, lora={"r": 2, "alpha": 8.0}).load_adapter(out)
 
 
 def test_lora_recipe_errors(repo, model_dir):

@@ -142,7 +142,7 @@ def save_checkpoint(
     ``model`` must be an FSDP2 module in its sharded state (call ``model.reshard()`` after
     no-grad forwards). An optimizer that has never stepped is not saved (loading then leaves
     the fresh optimizer untouched, which is equivalent). ``lora`` (the adapters' shape, see
-    :meth:`rlcli.train.lora.Adapters.meta`): only the trainable parameters are saved (the frozen
+    :func:`rlcli.train.lora.checkpoint_meta`): only the trainable parameters are saved (the frozen
     base comes from the model directory) and ``meta.json`` records it.
     """
     path = Path(path)
@@ -195,8 +195,8 @@ def _options(lora: dict[str, Any] | None) -> StateDictOptions:
 
 def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lora: dict[str, Any] | None) -> dict:
     """``{"model": ..., "optim": ...}`` as checkpoints hold them (no ``optim`` without ``optimizer``):
-    every parameter, or (LoRA) the trainable ones only (torch's ``ignore_frozen_params`` keeps a
-    frozen tied alias such as ``lm_head.weight``: dropped here)."""
+    every parameter, or (LoRA) no frozen one (torch's ``ignore_frozen_params`` keeps a frozen tied
+    alias such as ``lm_head.weight``: dropped here)."""
     options = _options(lora)
     if optimizer is not None:
         msd, osd = get_state_dict(model, optimizer, options=options)
@@ -204,8 +204,8 @@ def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lora
     else:
         state = {"model": get_model_state_dict(model, options=options)}
     if lora is not None:
-        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        state["model"] = {k: v for k, v in state["model"].items() if k in trainable}
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
     return state
 
 

@@ -9,8 +9,8 @@ base model's names, so nothing downstream knows about peft:
   ``W + (alpha / r) · B @ A``, computed in float32 from the full tensors into a new tensor (the
   trainer's ``W`` is never written, also when a backend borrows the trainer's parameters);
 - a checkpoint holds the adapters and their optimizer state only (the frozen base is read again
-  from the model directory), and its ``meta.json`` records the adapters' shape (:meth:`Adapters.meta`),
-  which a resume must match;
+  from the model directory), and its ``meta.json`` records the recipe's ``model.lora``
+  (:func:`checkpoint_meta`), which a resume must match;
 - an HF export is peft's adapter layout (``adapter_config.json``, ``adapter_model.safetensors``),
   loadable with ``PeftModel.from_pretrained`` (:func:`write_adapter`), plus, with
   ``model.lora.export_merged``, the merged model in ``merged/``.
@@ -30,9 +30,12 @@ import torch
 from torch import nn
 
 from rlcli.config import Issue, RecipeError
+from rlcli.train import weights
+from rlcli.train.checkpoint_files import CheckpointError
 
 if TYPE_CHECKING:
     from rlcli.config import LoraConfig
+    from rlcli.train.worker import TrainWorker
 
 EXTRA = "pip install 'rlcli[lora]'"
 ADAPTER = "default"  # peft's adapter name inside the trainer's model
@@ -50,12 +53,13 @@ def import_peft():
 
 @dataclass(frozen=True)
 class Adapters:
-    """The LoRA layers of a model: how its parameter names map to the base model's, and the merge."""
+    """The LoRA layers of a model: how its parameter names map to the base model's, and the merge.
+    ``targets``: the short names of the adapted layers, as the adapter's config records them."""
 
     r: int
     alpha: float
     dropout: float
-    targets: list[str]  # short names of the adapted layers (q_proj, ...), sorted
+    targets: list[str]
     layers: list[str]  # module paths of the adapted layers
     scaling: float
 
@@ -77,10 +81,6 @@ class Adapters:
             for m in ("lora_A", "lora_B"):
                 out[f"{p}.{m}.{ADAPTER}.weight"] = f"base_model.model.{p}.{m}.weight"
         return out
-
-    def meta(self) -> dict[str, Any]:
-        """What a checkpoint's tensors depend on (recorded in its meta.json; a resume must match)."""
-        return {"r": self.r, "alpha": self.alpha, "target_modules": self.targets}
 
 
 def add_adapters(hf_model: nn.Module, cfg: LoraConfig) -> Adapters:
@@ -109,6 +109,15 @@ def add_adapters(hf_model: nn.Module, cfg: LoraConfig) -> Adapters:
     return Adapters(cfg.r, cfg.alpha, cfg.dropout, targets, layers, cfg.alpha / cfg.r)
 
 
+def checkpoint_meta(cfg: LoraConfig | None) -> dict[str, Any] | None:
+    """What a checkpoint's tensors depend on, from the recipe's ``model.lora`` (recorded in its
+    meta.json; a resume must match). Every rank can compute it, with or without a model (the
+    rollout ranks of a disaggregated run join checkpoints without one)."""
+    if cfg is None:
+        return None
+    return {"r": cfg.r, "alpha": cfg.alpha, "target_modules": cfg.target_modules}
+
+
 def check_meta(saved: dict[str, Any] | None, expected: dict[str, Any] | None, where: Path) -> str | None:
     """Why a checkpoint written with ``saved`` adapters cannot load into a model with ``expected``
     ones (None: it can). Both None: full fine-tuning on both sides."""
@@ -132,6 +141,54 @@ def write_adapter(out: Path, adapters: Adapters, tensors: dict[str, torch.Tensor
                           target_modules=adapters.targets, task_type="CAUSAL_LM", base_model_name_or_path=base_model)
     cfg.save_pretrained(str(out))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def adapter_tensors(worker: TrainWorker) -> dict[str, torch.Tensor]:
+    """The adapters' full float32 tensors under peft's names, on rank 0 of the worker's group
+    (empty elsewhere). Collective."""
+    worker.model.reshard()
+    named = worker.hf_model.state_dict(keep_vars=True)
+    return weights.gather({saved_as: named[name] for name, saved_as in worker.adapters.export_names().items()},
+                          torch.float32, worker.rank == 0)
+
+
+def save_export(worker: TrainWorker, out: Path, tokenizer, dtype: torch.dtype) -> Path:
+    """``TrainWorker.save_hf`` with LoRA: the adapter (float32) and the tokenizer in ``out``, and the
+    merged model in ``out/merged`` with ``model.lora.export_merged``. Collective."""
+    tensors = adapter_tensors(worker)
+    merged = worker.full_state_dict(dtype=dtype) if worker.model_cfg.lora.export_merged else None
+    base = str(worker.model_dir.resolve())
+    return weights.save_hf(out, worker.hf_model, merged, dtype, tied=worker.tied, tokenizer=tokenizer,
+                           writer=worker.rank == 0, group=worker.group,
+                           adapter=lambda d: write_adapter(d, worker.adapters, tensors, base))
+
+
+def load_export(worker: TrainWorker, path: Path) -> None:
+    """An adapter written by :func:`save_export` into ``worker``'s adapters (``rlcli eval --checkpoint
+    hf/step-N``). Read as JSON and safetensors only. Raises :class:`CheckpointError` when the worker
+    has no adapters or other ones. Collective."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    a = worker.adapters
+    if a is None:
+        raise CheckpointError(f"{path} is a LoRA adapter: evaluate it with the model.lora it was trained with "
+                              "(or evaluate the merged model, hf/step-N/merged, written with model.lora.export_merged)")
+    try:
+        cfg = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+        tensors = load_file(str(path / WEIGHTS_FILE))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise CheckpointError(f"{path}: cannot be read ({exc})") from None
+    saved = (cfg.get("r"), cfg.get("lora_alpha"), sorted(cfg.get("target_modules") or []))
+    names = {saved_as: f"lm.{name}" for name, saved_as in a.export_names().items()}
+    if saved != (a.r, a.alpha, a.targets) or not set(names) <= set(tensors):
+        raise CheckpointError(f"{path}: an adapter of r={saved[0]}, alpha={saved[1]} on {saved[2]}, but the "
+                              f"recipe's model.lora gives r={a.r}, alpha={a.alpha} on {a.targets}: evaluate it "
+                              "with the model.lora it was trained with")
+    worker.model.reshard()
+    set_model_state_dict(worker.model, {names[k]: tensors[k] for k in names},
+                         options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def is_adapter_export(path: Path) -> bool:

@@ -513,28 +513,14 @@ class TrainWorker:
         """Write an HF model dir (safetensors, config, generation config, tokenizer) atomically. Collective."""
         dtype = dtype or self.dtype
         if self.adapters is not None:
-            return self._save_adapter(Path(out_dir), tokenizer, dtype)
+            return lora.save_export(self, Path(out_dir), tokenizer, dtype)
         state = self.full_state_dict(dtype=dtype)
         return weights.save_hf(Path(out_dir), self.hf_model, state, dtype, tied=self.tied, tokenizer=tokenizer,
                                writer=self.rank == 0, group=self.group)
 
-    def _save_adapter(self, out: Path, tokenizer, dtype: torch.dtype) -> Path:
-        """LoRA's HF export: the adapter in peft's layout (float32), and the merged model in
-        ``merged/`` with ``model.lora.export_merged``. Collective."""
-        tensors = self.adapter_state_dict()
-        merged = self.full_state_dict(dtype=dtype) if self.model_cfg.lora.export_merged else None
-        base = str(self.model_dir.resolve())
-        return weights.save_hf(out, self.hf_model, merged, dtype, tied=self.tied, tokenizer=tokenizer,
-                               writer=self.rank == 0, group=self.group,
-                               adapter=lambda d: lora.write_adapter(d, self.adapters, tensors, base))
-
-    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
-        """LoRA: the adapters' full float32 tensors under peft's names (``adapter_model.safetensors``),
-        on rank 0 of the group (empty elsewhere). Collective."""
-        self.model.reshard()
-        named = self.hf_model.state_dict(keep_vars=True)
-        return weights.gather({saved_as: named[name] for name, saved_as in self.adapters.export_names().items()},
-                              torch.float32, self.rank == 0)
+    def load_adapter(self, path: str | Path) -> None:
+        """LoRA: the adapter of an HF export (``hf/step-N``) into this worker's adapters. Collective."""
+        lora.load_export(self, Path(path))
 
     # ---------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any] | None = None,
@@ -561,7 +547,7 @@ class TrainWorker:
     @property
     def _lora_meta(self) -> dict[str, Any] | None:
         """The adapters' shape that checkpoints record (None: full fine-tuning)."""
-        return self.adapters.meta() if self.adapters is not None else None
+        return lora.checkpoint_meta(getattr(self.model_cfg, "lora", None))
 
     @property
     def optimizer_steps_done(self) -> int:
