@@ -94,7 +94,8 @@ def add_adapters(hf_model: nn.Module, cfg: LoraConfig) -> Adapters:
     try:
         peft.inject_adapter_in_model(pcfg, hf_model, adapter_name=ADAPTER)
     except ValueError as exc:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf_model.named_modules() if isinstance(m, nn.Linear)})
+        head = hf_model.get_output_embeddings()
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and m is not head})
         raise RecipeError([Issue("model.lora.target_modules", f"{cfg.target_modules}: {exc}; the model's linear "
                                  f"layers are {', '.join(linear)}")]) from None
     layers = [n for n, m in hf_model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
