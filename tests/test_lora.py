@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from rlcli.train.data import TrainSequence
 from rlcli.train.worker import TrainWorker
 
 from .test_e2e import _short
-from .test_resume import RLCLI, metrics, run
+from .test_resume import RLCLI, kill_after_checkpoint, metrics, run
 
 LORA = {"r": 4, "alpha": 8.0}
 
@@ -157,13 +154,19 @@ def test_export_is_a_peft_adapter_whose_merge_equals_ours(model_dir, tmp_path):
         make_worker(model_dir, lora={"r": 2, "alpha": 8.0}).load_adapter(out)
 
 
-def test_lora_recipe_errors(repo, model_dir):
+def test_lora_recipe_errors(repo, model_dir, monkeypatch):
     raw = _short(repo, "/tmp/unused", lambda r: r["model"].update(lora={"r": 0, "target_modules": ["lm_head"]}))
     with pytest.raises(RecipeError) as e:
         validate_recipe(raw, base_dir=repo / "recipes")
     assert "model.lora.r" in str(e.value) and "model.lora.target_modules" in str(e.value)
     with pytest.raises(RecipeError, match=r"model\.lora\.target_modules: \['qkv'\].*linear layers are .*q_proj"):
         make_worker(model_dir, lora={"r": 2, "alpha": 2.0, "target_modules": ["qkv"]})
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    with pytest.raises(RecipeError, match=r"model\.lora: .*peft.*pip install 'rlcli\[lora\]'"):
+        validate_recipe(_short(repo, "/tmp/unused", lambda r: r["model"].update(lora={})), base_dir=repo / "recipes")
 
 
 def _args(repo: Path, work: Path) -> list[str]:
@@ -179,16 +182,7 @@ def test_sigkill_then_resume_is_identical(repo, tmp_path):
     r = run(_args(repo, full))
     assert r.returncode == 0, r.stderr[-3000:]
     work = tmp_path / "run"
-    proc = subprocess.Popen(_args(repo, work), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    marker = work / "checkpoints" / "step-2" / "COMPLETE"
-    deadline = time.time() + 240
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline, "no step-2 checkpoint in time"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (work / "hf" / "step-8").exists(), "the run finished before the kill; the test proves nothing"
+    kill_after_checkpoint(_args(repo, work), work, 2, 8)
     r = run(_args(repo, work))
     assert r.returncode == 0, r.stderr[-3000:]
     assert metrics(full) == metrics(work)

@@ -95,15 +95,19 @@ def add_adapters(hf_model: nn.Module, cfg: LoraConfig) -> Adapters:
         peft.inject_adapter_in_model(pcfg, hf_model, adapter_name=ADAPTER)
     except ValueError as exc:
         head = hf_model.get_output_embeddings()
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf_model.named_modules() if isinstance(m, nn.Linear) and m is not head})
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in hf_model.named_modules()
+                         if isinstance(m, nn.Linear) and m is not head})
         raise RecipeError([Issue("model.lora.target_modules", f"{cfg.target_modules}: {exc}; the model's linear "
                                  f"layers are {', '.join(linear)}")]) from None
-    layers = [n for n, m in hf_model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)]
-    for module, where in ((hf_model.get_output_embeddings(), "the LM head"),
-                          (hf_model.get_input_embeddings(), "the embeddings")):
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            raise RecipeError([Issue("model.lora.target_modules", f"{cfg.target_modules} matches {where}: only "
-                                     "linear layers inside the decoder layers can take an adapter")])
+    adapted = {n: m for n, m in hf_model.named_modules() if isinstance(m, peft.tuners.lora.LoraLayer)}
+    # the merge below is that of nn.Linear layers (W is out x in); the head's weight is read directly
+    odd = [n for n, m in adapted.items() if not isinstance(m.get_base_layer(), nn.Linear) or m.fan_in_fan_out]
+    odd += [where for m, where in ((hf_model.get_output_embeddings(), "the LM head"),
+                                   (hf_model.get_input_embeddings(), "the embeddings")) if m in adapted.values()]
+    if odd:
+        raise RecipeError([Issue("model.lora.target_modules", f"{cfg.target_modules} matches {', '.join(odd)}: "
+                                 "only linear layers inside the decoder layers can take an adapter")])
+    layers = list(adapted)
     for name, p in hf_model.named_parameters():
         p.requires_grad_(".lora_A." in name or ".lora_B." in name)
     targets = sorted({n.rsplit(".", 1)[-1] for n in layers})
