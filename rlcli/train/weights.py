@@ -101,14 +101,14 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return tensor
     local = tensor._local_tensor
+    # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a collective
+    # launch per tensor).
     if tensor.device_mesh.size() == 1 and tuple(local.shape) == tuple(tensor.shape):
         return local
     return tensor.full_tensor()
 
 
 def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a collective
-    # launch per tensor).
     local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
     full = _whole(tensor).detach()
     if full.is_floating_point():
