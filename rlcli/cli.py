@@ -174,15 +174,17 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
 def _path_errors() -> tuple[type[Exception], ...]:
     """Errors that end ``train`` and ``eval`` with their message and exit 2, each naming its file or
     field: a checkpoint refused (unsafe or damaged), a write that failed (a full disk), a data file
-    with no usable row, a judger the default process executor cannot pickle and a model that
-    cannot be found or fetched."""
+    with no usable row, a judger the default process executor cannot pickle, a model that cannot
+    be found or fetched, and a recipe problem only the model shows (``model.lora.target_modules``
+    matching no layer)."""
+    from rlcli.config import RecipeError
     from rlcli.data.base import DataError
     from rlcli.fsutil import WriteError
     from rlcli.hub import ModelLocationError
     from rlcli.judgers.pool import JudgerNotPicklable
     from rlcli.train.checkpoint_files import CheckpointError
 
-    return CheckpointError, WriteError, DataError, JudgerNotPicklable, ModelLocationError
+    return CheckpointError, WriteError, DataError, JudgerNotPicklable, ModelLocationError, RecipeError
 
 
 def _check_launch(recipe: str, rec, world_size: int) -> None:

@@ -77,7 +77,8 @@ def recipe_reference() -> str:
     from rlcli.types import SampleParams
 
     sections = [
-        ("model", c.ModelConfig), ("model.from_scratch", c.FromScratch), ("trainer", c.TrainerConfig),
+        ("model", c.ModelConfig), ("model.from_scratch", c.FromScratch), ("model.lora", c.LoraConfig),
+        ("trainer", c.TrainerConfig),
         ("resources", c.ResourcesConfig), ("train_worker", c.TrainWorkerConfig),
         ("train_worker.optimizer", c.OptimizerConfig), ("train_worker.lr_scheduler", c.LRSchedulerConfig),
         ("train_worker.fsdp", c.FSDPConfig), ("train_worker.kl", c.KLConfig),

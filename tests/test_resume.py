@@ -62,6 +62,22 @@ def run(args: list[str], env: dict | None = None, timeout: float = 300) -> subpr
     return subprocess.run(args, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def kill_after_checkpoint(args: list[str], work: Path, step: int, last: int) -> None:
+    """Start ``rlcli train`` (``args``), SIGKILL it once ``checkpoints/step-<step>`` is complete, and
+    check that it had not finished (no ``hf/step-<last>``)."""
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    marker = work / "checkpoints" / f"step-{step}" / "COMPLETE"
+    deadline = time.time() + 240
+    while not marker.exists():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline, f"no step-{step} checkpoint in time"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (work / "hf" / f"step-{last}").exists(), "the run finished before the kill; the test proves nothing"
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(repo, tmp_path_factory):
     runs = {}
@@ -77,18 +93,7 @@ def uninterrupted(repo, tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["sync", "async"])
 def test_sigkill_after_checkpoint_then_resume_is_identical(repo, tmp_path, uninterrupted, strategy):
     work = tmp_path / "run"
-    proc = subprocess.Popen(base_args(repo, work, 12, strategy), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    marker = work / "checkpoints" / "step-4" / "COMPLETE"
-    deadline = time.time() + 240
-    while not marker.exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline, "no step-4 checkpoint in time"
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL
-    assert not (work / "hf" / "step-12").exists(), "the run finished before the kill; the test proves nothing"
+    kill_after_checkpoint(base_args(repo, work, 12, strategy), work, 4, 12)
     r = run(base_args(repo, work, 12, strategy))
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(uninterrupted[strategy], work, 12)

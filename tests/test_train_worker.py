@@ -35,9 +35,9 @@ def untied_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("untied") / "m", arch="llama", seed=1, tie_word_embeddings=False)
 
 
-def make_worker(model_dir, loss=None, total_steps=10, **cfg) -> TrainWorker:
+def make_worker(model_dir, loss=None, total_steps=10, lora=None, **cfg) -> TrainWorker:
     cfg.setdefault("optimizer", {"lr": 1e-2})
-    return TrainWorker(model_dir, ModelConfig(), TrainWorkerConfig(**cfg), loss or VanillaPolicyLoss(),
+    return TrainWorker(model_dir, ModelConfig(lora=lora), TrainWorkerConfig(**cfg), loss or VanillaPolicyLoss(),
                        device="cpu", seed=0, total_steps=total_steps)
 
 
@@ -733,9 +733,17 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
         s.prompt_ids = grouped[i - i % 5].prompt_ids
     sh = make_worker({model_dir!r}, pack_max_length=24, share_prompts=True)
     shared = [sh.train_step(grouped[:21] if rank() == 0 else grouped[21:]) for _ in range(2)]
+    # LoRA: sharded adapters train; merged weights and adapter checkpoints are gathered from shards
+    lw = make_worker({model_dir!r}, pack_max_length=24, lora={{"r": 4, "alpha": 8.0}})
+    for _ in range(2):
+        lw.train_step(mine)
+    lw.save_checkpoint({out!r} + ".ckpt", {{}})
+    lw2 = make_worker({model_dir!r}, pack_max_length=24, lora={{"r": 4, "alpha": 8.0}})
+    lw2.load_checkpoint({out!r} + ".ckpt")
+    lora = (lw.full_state_dict(), lw2.full_state_dict())
     if rank() == 0:
-        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared, "normed": normed}},
-                   {out!r})
+        torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared, "normed": normed,
+                    "lora": lora}}, {out!r})
     torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
     destroy()
 """)
@@ -765,6 +773,12 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
     ref_sd = w.full_state_dict()
     assert set(got["state"]) == set(ref_sd)
     assert all(torch.allclose(got["state"][k], ref_sd[k], atol=1e-4, rtol=0) for k in ref_sd)
+    lw = make_worker(model_dir, pack_max_length=24, lora={"r": 4, "alpha": 8.0})
+    for _ in range(2):
+        lw.train_step(seqs)
+    lora_sd, (merged, resumed) = lw.full_state_dict(), got["lora"]
+    assert set(merged) == set(lora_sd) == set(ref_sd) and all(torch.equal(merged[k], resumed[k]) for k in merged)
+    assert all(torch.allclose(merged[k], lora_sd[k], atol=1e-4, rtol=0) for k in lora_sd)
     r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
     ref_lps = w.compute_logprobs(seqs)
     assert len(r0["lps"]) == 21 and len(r1["lps"]) == 9

@@ -39,6 +39,7 @@ from rlcli.config.sections import (
     FromScratch,
     FSDPConfig,
     KLConfig,
+    LoraConfig,
     LRSchedulerConfig,
     ModelConfig,
     OptimizerConfig,
@@ -56,7 +57,7 @@ from rlcli.config.yaml_file import read_yaml
 
 __all__ = [
     "ROLLOUT_RESOURCES", "TRAIN_RESOURCES", "ComponentSpec", "EvalConfig", "EvaluatorConfig", "FSDPConfig",
-    "FromScratch", "Issue", "KLConfig", "Kind", "LRSchedulerConfig", "ModelConfig", "OptimizerConfig",
+    "FromScratch", "Issue", "KLConfig", "Kind", "LoraConfig", "LRSchedulerConfig", "ModelConfig", "OptimizerConfig",
     "PlacementConfig", "Recipe", "RecipeError", "ResourcesConfig", "RolloutISConfig", "Strict", "TaskConfig",
     "TrainWorkerConfig", "TrainerConfig", "check_fit", "check_launch", "check_prompt_lengths", "check_task_shares",
     "model_context", "model_shape", "load_recipe", "read_yaml", "resolve_placement",

@@ -26,6 +26,41 @@ class FromScratch(Strict):
     tie_word_embeddings: bool = Field(True, description="Share input and output embeddings.")
 
 
+class LoraConfig(Strict):
+    """Low-rank adapters (LoRA, with ``peft``: ``pip install 'rlcli[lora]'``); only the adapters train."""
+
+    r: int = Field(8, gt=0, description="Rank of each adapter (A: r x in, B: out x r).")
+    alpha: float = Field(16.0, gt=0, description="Scale: the layer computes W x + (alpha / r) B A x.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training forwards.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="Linear layers of the decoder layers that get an adapter, by name (such as "
+        "[q_proj, v_proj]), or all-linear: every one of them. The embeddings and the LM head never do.")
+    export_merged: bool = Field(
+        False, description="HF exports (hf/step-N) also hold the merged model in hf/step-N/merged, besides "
+        "the adapter.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _check_targets(cls, targets: list[str] | str) -> list[str] | str:
+        if isinstance(targets, list):
+            if not targets:
+                raise ValueError("an empty list adapts nothing: name linear layers (such as [q_proj, v_proj]) "
+                                 "or use all-linear")
+            bad = [t for t in targets if t in ("lm_head", "embed_tokens")]
+            if bad:
+                raise ValueError(f"{', '.join(bad)}: only linear layers inside the decoder layers can take an "
+                                 "adapter (the embeddings and the LM head stay frozen)")
+        return targets
+
+    @model_validator(mode="after")
+    def _check_peft(self):
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ValueError("LoRA needs the peft package: pip install 'rlcli[lora]'")
+        return self
+
+
 class ModelConfig(Strict):
     path: str | None = Field(None, description="A Hugging Face model: a local directory, or a Hub id (org/name) "
                              "downloaded to the Hugging Face cache (read from it with HF_HUB_OFFLINE=1).")
@@ -36,6 +71,9 @@ class ModelConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="auto: bfloat16 on GPU, float32 on CPU."
     )
+    lora: LoraConfig | None = Field(
+        None, description="Train low-rank adapters instead of every weight: {r, alpha, dropout, target_modules, "
+        "export_merged}; null (the default): full fine-tuning.")
 
 
 # --------------------------------------------------------------------------------- trainer

@@ -11,6 +11,7 @@ from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.records import sample_row, write_skipped_rows
 from rlcli.runner.setup import Environment, default_work_dir, setup_logging
 from rlcli.runner.workdir import check_dir_path, claim_work_dir
+from rlcli.train.lora import is_adapter_export
 
 
 def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tuple[dict[str, float], Path]:
@@ -32,7 +33,11 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
     backend = env.build_backend()
     if ckpt is not None and not is_hf:
         worker = env.build_train_worker(total_steps=1)
-        extra = worker.load_checkpoint(ckpt, weights_only=True)
+        if is_adapter_export(ckpt):  # LoRA's HF export: the adapter, on the recipe's base model
+            worker.load_adapter(ckpt)
+            extra = {}
+        else:
+            extra = worker.load_checkpoint(ckpt, weights_only=True)
         for bucket in worker.iter_weights():
             backend.update_weights(bucket, int(extra.get("step", 0)))
         del worker

@@ -53,6 +53,7 @@ from rlcli.train.checkpoint_files import (
     save_weights,
     write_bytes,
 )
+from rlcli.train.lora import check_meta
 
 FORMAT_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -134,17 +135,20 @@ def save_checkpoint(
     extra_state: dict[str, Any] | None = None,
     *,
     no_optimizer: bool = False,
+    lora: dict[str, Any] | None = None,
 ) -> Path:
     """Save a checkpoint to ``path`` atomically (collective: call on every rank). Returns ``path``.
 
     ``model`` must be an FSDP2 module in its sharded state (call ``model.reshard()`` after
     no-grad forwards). An optimizer that has never stepped is not saved (loading then leaves
-    the fresh optimizer untouched, which is equivalent).
+    the fresh optimizer untouched, which is equivalent). ``lora`` (the adapters' shape, see
+    :func:`rlcli.train.lora.checkpoint_meta`): only the trainable parameters are saved (the frozen
+    base comes from the model directory) and ``meta.json`` records it.
     """
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        _write(path, tmp, model, optimizer, scheduler, extra_state, no_optimizer)
+        _write(path, tmp, model, optimizer, scheduler, extra_state, no_optimizer, lora)
     except WriteError as exc:
         shutil.rmtree(tmp, ignore_errors=True)  # give the space back; earlier checkpoints are untouched
         previous = latest_checkpoint(path.parent)
@@ -153,7 +157,8 @@ def save_checkpoint(
     return path
 
 
-def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_optimizer: bool) -> None:
+def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_optimizer: bool,
+           lora: dict[str, Any] | None) -> None:
     """The body of :func:`save_checkpoint`: fill ``tmp``, then publish it as ``path``."""
     if is_main():
         with _naming(path.parent):
@@ -164,11 +169,7 @@ def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_o
     barrier()
 
     with_optim = optimizer is not None and not no_optimizer and bool(optimizer.state)
-    if with_optim:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(model)}
+    state = _state(model, optimizer if with_optim else None, lora)
     save_weights(state, tmp / "weights")
     fault_point(f"checkpoint:after_weights:{path.name}")
 
@@ -177,6 +178,8 @@ def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_o
     if is_main():
         save_pt(tmp / "extra_state.pt", extra_state or {})
         meta = {"format": FORMAT_VERSION, "world_size": world_size(), "has_optimizer": with_optim}
+        if lora is not None:
+            meta["lora"] = lora
         write_bytes(tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
     barrier()
     if is_main():
@@ -184,6 +187,26 @@ def _write(path: Path, tmp: Path, model, optimizer, scheduler, extra_state, no_o
         with _naming(path):
             publish_dir(tmp, path)
     barrier()
+
+
+def _options(lora: dict[str, Any] | None) -> StateDictOptions:
+    return StateDictOptions(ignore_frozen_params=True, strict=False) if lora is not None else StateDictOptions()
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, lora: dict[str, Any] | None) -> dict:
+    """``{"model": ..., "optim": ...}`` as checkpoints hold them (no ``optim`` without ``optimizer``):
+    every parameter, or (LoRA) no frozen one (torch's ``ignore_frozen_params`` keeps a frozen tied
+    alias such as ``lm_head.weight``: dropped here)."""
+    options = _options(lora)
+    if optimizer is not None:
+        msd, osd = get_state_dict(model, optimizer, options=options)
+        state = {"model": msd, "optim": osd}
+    else:
+        state = {"model": get_model_state_dict(model, options=options)}
+    if lora is not None:
+        frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state["model"] = {k: v for k, v in state["model"].items() if k not in frozen}
+    return state
 
 
 @contextlib.contextmanager
@@ -216,12 +239,14 @@ def load_checkpoint(
     *,
     load_optimizer: bool = True,
     restore_rng: bool = True,
+    lora: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save_checkpoint` (collective); returns its ``extra_state``.
 
     The optimizer is restored when the checkpoint has one and ``load_optimizer`` is True;
     otherwise it is left as is. RNG and scheduler states come from this rank's file, or rank
-    0's when the world size changed.
+    0's when the world size changed. ``lora``: the model's adapters (as for :func:`save_checkpoint`);
+    a checkpoint written with other adapters, or with or without any, is refused.
     """
     path = Path(path)
     if not is_complete(path):
@@ -230,16 +255,18 @@ def load_checkpoint(
     if meta.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {meta.get('format')} is not supported "
                               f"(expected {FORMAT_VERSION})")
+    mismatch = check_meta(meta.get("lora"), lora, path)
+    if mismatch:
+        raise CheckpointError(mismatch)
     with_optim = bool(meta["has_optimizer"]) and load_optimizer and optimizer is not None
+    options = _options(lora)
+    state = _state(model, optimizer if with_optim else None, lora)
+    load_weights(state, path / "weights")
     if with_optim:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-        load_weights(state, path / "weights")
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
     else:
-        state = {"model": get_model_state_dict(model)}
-        load_weights(state, path / "weights")
-        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
+        set_model_state_dict(model, state["model"], options=options)
 
     rank_file = path / f"rank-{rank()}.pt"
     if not rank_file.exists() or meta.get("world_size") != world_size():

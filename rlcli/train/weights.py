@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,19 +22,24 @@ from rlcli.dist import barrier
 from rlcli.faults import fault_point
 from rlcli.fsutil import publish_dir, write_failure
 
+if TYPE_CHECKING:
+    from rlcli.train.lora import Adapters
+
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
 Bucket = list[tuple[str, torch.Tensor]]
 
 
 def iter_weights(model: nn.Module, hf_model: nn.Module, bucket_bytes: int, dtype: torch.dtype, live: bool,
-                 lendable: bool) -> Iterator[Bucket]:
+                 lendable: bool, adapters: Adapters | None = None) -> Iterator[Bucket]:
     """``TrainWorker.iter_weights``: ``hf_model``'s full tensors in buckets (``model``: the FSDP
-    root around it, resharded first). ``live`` needs ``lendable`` (one rank)."""
+    root around it, resharded first). ``live`` needs ``lendable`` (one rank). With ``adapters``
+    (LoRA), the base model's names and tensors: each adapted layer's weight merged, as a new tensor."""
     if live and not lendable:
         raise ValueError("iter_weights(live=True) needs a single rank (each parameter whole on it)")
     model.reshard()
     named = hf_model.state_dict(keep_vars=True)  # the parameters themselves: no per-tensor detach
+    merges = adapters.merges() if adapters is not None else {}
     # Tied weights are one parameter under several names: gather once, yield under each name.
     aliases: dict[int, list[str]] = {}
     for name, p in hf_model.named_parameters(remove_duplicate=False):
@@ -44,12 +50,19 @@ def iter_weights(model: nn.Module, hf_model: nn.Module, bucket_bytes: int, dtype
     bucket: Bucket = []
     size = 0
     for name, tensor in named.items():
+        out_name = adapters.hf_name(name) if adapters is not None else name
+        if out_name is None:  # an adapter's own tensor: part of its layer's merged weight
+            continue
         src = canonical.get(name, name)
         if src in cache:
             full, nbytes = cache[src], 0
         else:
             with torch.no_grad():  # the state dict holds the parameters themselves (keep_vars)
-                full = _lent(tensor) if live else _full(tensor, dtype)
+                if name in merges:
+                    a, b = merges[name]
+                    full = merged_weight(tensor, named[a], named[b], adapters.scaling, dtype)
+                else:
+                    full = _lent(tensor) if live else _full(tensor, dtype)
             nbytes = full.numel() * (dtype.itemsize if live and full.is_floating_point() else full.element_size())
         left = remaining.get(src, 1) - 1
         remaining[src] = left
@@ -60,7 +73,7 @@ def iter_weights(model: nn.Module, hf_model: nn.Module, bucket_bytes: int, dtype
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
             bucket, size = [], 0
-        bucket.append((name, full))
+        bucket.append((out_name, full))
         size += nbytes
     if bucket:
         yield bucket
@@ -74,16 +87,30 @@ def _lent(tensor: torch.Tensor) -> torch.Tensor:
     return local.detach()
 
 
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A LoRA layer's merged weight ``base + (b @ a) * scaling`` (peft's merge, in its order of
+    operations), in float32 from the full tensors, cast to ``dtype``: a new tensor; ``base`` is
+    only read."""
+    w, a, b = (_whole(t).detach().float() for t in (base, a, b))
+    return (w + (b @ a) * scaling).to(dtype)
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a parameter (gathered where it is sharded; no copy on one rank)."""
+    if not isinstance(tensor, DTensor):
+        return tensor
+    local = tensor._local_tensor
+    # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a collective
+    # launch per tensor).
+    if tensor.device_mesh.size() == 1 and tuple(local.shape) == tuple(tensor.shape):
+        return local
+    return tensor.full_tensor()
+
+
 def _full(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if isinstance(tensor, DTensor):
-        local = tensor._local_tensor
-        # One rank: the local shard is the whole tensor; skip the all-gather (a copy and a
-        # collective launch per tensor).
-        whole = tensor.device_mesh.size() == 1 and tuple(local.shape) == tuple(tensor.shape)
-        full = local if whole else tensor.full_tensor()
-    else:
-        local = full = tensor
-    full = full.detach()
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    full = _whole(tensor).detach()
     if full.is_floating_point():
         full = full.to(dtype)
     if full.data_ptr() == local.data_ptr():
@@ -101,8 +128,25 @@ def full_state_dict(buckets: Iterable[Bucket], keep: bool, device: str | torch.d
     return out
 
 
+def gather(params: dict[str, torch.Tensor], dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
+    """Full copies of ``params`` (sharded or not), cast to ``dtype``, on the CPU where ``keep`` (rank
+    0 of the group), else ``{}``. Collective (every rank gathers every tensor in the same order)."""
+    out = {}
+    with torch.no_grad():
+        for name, p in params.items():
+            full = _full(p, dtype)
+            if keep:
+                out[name] = full.cpu()
+    return out
+
+
 def is_complete_export(path: Path) -> bool:
-    """Whether ``path`` is a whole HF export: a readable ``config.json`` and every weights file it needs."""
+    """Whether ``path`` is a whole HF export: a readable ``config.json`` and every weights file it needs
+    (a LoRA export: a readable ``adapter_config.json`` and the adapter's weights file)."""
+    from rlcli.train.lora import is_adapter_export
+
+    if is_adapter_export(path):
+        return True
     try:
         if not json.loads((path / "config.json").read_text(encoding="utf-8")):
             return False
@@ -114,32 +158,25 @@ def is_complete_export(path: Path) -> bool:
         return False
 
 
-def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, *, tied: bool,
-            tokenizer, writer: bool, group: dist.ProcessGroup | None) -> Path:
+def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor] | None, dtype: torch.dtype, *,
+            tied: bool, tokenizer, writer: bool, group: dist.ProcessGroup | None,
+            adapter: Callable[[Path], None] | None = None) -> Path:
     """``TrainWorker.save_hf``: ``writer`` (rank 0 of the group, holding the full ``state``) writes
-    ``out`` atomically; every rank of ``group`` waits for it."""
-    from transformers import AutoModelForCausalLM
-
-    from rlcli.tokenizer import save_tokenizer
-
+    ``out`` atomically; every rank of ``group`` waits for it. With ``adapter`` (LoRA: writes the
+    adapter files into a directory), ``out`` holds the adapter and the tokenizer, and the model of
+    ``state`` (the merged weights) goes to ``out/merged`` unless ``state`` is None."""
     if writer:
         tmp = out.with_name(out.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        config = copy.deepcopy(hf_model.config)
-        config.use_cache = True
-        with torch.device("meta"):
-            plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        plain.load_state_dict(state, strict=True, assign=True)
-        if tied:
-            plain.tie_weights()
-        plain.generation_config = copy.deepcopy(hf_model.generation_config)
-        # Recent transformers write only on global rank 0 of the job; the writer is rank 0 of this
-        # worker's group (not global rank 0 when other ranks do rollout), and it holds the full state.
-        plain.should_save_on_this_rank = lambda is_main_process=True: bool(is_main_process)
         try:
-            plain.save_pretrained(str(tmp))
-            if tokenizer is not None:
-                save_tokenizer(tokenizer, tmp, builtin=getattr(tokenizer, "_rlcli_builtin", None))
+            if adapter is None:
+                _write_model(tmp, hf_model, state, dtype, tied, tokenizer)
+            else:
+                tmp.mkdir(parents=True)
+                adapter(tmp)
+                _write_tokenizer(tmp, tokenizer)
+                if state is not None:
+                    _write_model(tmp / "merged", hf_model, state, dtype, tied, tokenizer)
         except Exception as exc:  # noqa: BLE001 - safetensors raises its own error on a full disk
             failure = write_failure(tmp, exc)
             if failure is None:
@@ -150,3 +187,30 @@ def save_hf(out: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtyp
         publish_dir(tmp, out)
     barrier(group)
     return out
+
+
+def _write_model(path: Path, hf_model: nn.Module, state: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool,
+                 tokenizer) -> None:
+    """An HF model directory at ``path``: ``hf_model``'s config with the weights of ``state``."""
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(hf_model.config)
+    config.use_cache = True
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    plain.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        plain.tie_weights()
+    plain.generation_config = copy.deepcopy(hf_model.generation_config)
+    # Recent transformers write only on global rank 0 of the job; the writer is rank 0 of this
+    # worker's group (not global rank 0 when other ranks do rollout), and it holds the full state.
+    plain.should_save_on_this_rank = lambda is_main_process=True: bool(is_main_process)
+    plain.save_pretrained(str(path))
+    _write_tokenizer(path, tokenizer)
+
+
+def _write_tokenizer(path: Path, tokenizer) -> None:
+    from rlcli.tokenizer import save_tokenizer
+
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, path, builtin=getattr(tokenizer, "_rlcli_builtin", None))

@@ -60,7 +60,7 @@ from rlcli.algo.mismatch import RolloutCorrection, can_reject, finalize_metrics
 from rlcli.dist import device_mesh, group_mesh, init_distributed, local_device
 from rlcli.models import resolve_dtype
 from rlcli.train import checkpoint as ckpt
-from rlcli.train import fsdp, weights
+from rlcli.train import fsdp, lora, weights
 from rlcli.train.attention import use_shared_prompt_attention
 from rlcli.train.data import (
     LayoutCost,
@@ -170,6 +170,8 @@ class TrainWorker:
                 self.hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        # LoRA: adapters added (torch's generator, seeded above, initialises them) and the rest frozen
+        self.adapters = lora.add_adapters(self.hf_model, model_cfg.lora) if getattr(model_cfg, "lora", None) else None
         self.model = PolicyModel(self.hf_model, cfg.logprob_chunk_size, cfg.fused_logprob)
         self._shard(self.model, cpu_offload=cfg.fsdp.cpu_offload)
         self.model.train()
@@ -499,7 +501,7 @@ class TrainWorker:
         once (an ``InferenceBackend`` with ``accepts_live_weights``).
         """
         return weights.iter_weights(self.model, self.hf_model, bucket_bytes, dtype or self.dtype, live,
-                                    self.can_lend_weights())
+                                    self.can_lend_weights(), self.adapters)
 
     def full_state_dict(
         self, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
@@ -510,9 +512,15 @@ class TrainWorker:
     def save_hf(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
         """Write an HF model dir (safetensors, config, generation config, tokenizer) atomically. Collective."""
         dtype = dtype or self.dtype
+        if self.adapters is not None:
+            return lora.save_export(self, Path(out_dir), tokenizer, dtype)
         state = self.full_state_dict(dtype=dtype)
         return weights.save_hf(Path(out_dir), self.hf_model, state, dtype, tied=self.tied, tokenizer=tokenizer,
                                writer=self.rank == 0, group=self.group)
+
+    def load_adapter(self, path: str | Path) -> None:
+        """LoRA: the adapter of an HF export (``hf/step-N``) into this worker's adapters. Collective."""
+        lora.load_export(self, Path(path))
 
     # ---------------------------------------------------------------------- checkpoints
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any] | None = None,
@@ -520,7 +528,7 @@ class TrainWorker:
         """DCP model (+ optimizer) + scheduler + RNG + ``extra_state``, atomically. Collective."""
         self.model.reshard()
         return ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, extra_state,
-                                    no_optimizer=no_optimizer)
+                                    no_optimizer=no_optimizer, lora=self._lora_meta)
 
     def load_checkpoint(self, path: str | Path, *, load_optimizer: bool = True,
                         weights_only: bool = False) -> dict[str, Any]:
@@ -531,8 +539,15 @@ class TrainWorker:
         """
         self.model.reshard()
         if weights_only:
-            return ckpt.load_checkpoint(path, self.model, None, None, load_optimizer=False, restore_rng=False)
-        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer)
+            return ckpt.load_checkpoint(path, self.model, None, None, load_optimizer=False, restore_rng=False,
+                                        lora=self._lora_meta)
+        return ckpt.load_checkpoint(path, self.model, self.optimizer, self.scheduler, load_optimizer=load_optimizer,
+                                    lora=self._lora_meta)
+
+    @property
+    def _lora_meta(self) -> dict[str, Any] | None:
+        """The adapters' shape that checkpoints record (None: full fine-tuning)."""
+        return lora.checkpoint_meta(getattr(self.model_cfg, "lora", None))
 
     @property
     def optimizer_steps_done(self) -> int:

@@ -178,15 +178,22 @@ class RolloutSide:
         contribution = {"role": "rollout", "index": self.index, "manager": state}
         _save_collective(self.boot, step, contribution,
                          lambda path, extra: ckpt.save_checkpoint(path, _RolloutStub(self.boot.rank), None, None,
-                                                                  extra))
+                                                                  extra, lora=self._lora))
 
     def _resume(self, path: Path) -> None:
         from rlcli.train import checkpoint as ckpt
 
         # joins the job-wide load; restores this rank's RNG
-        extra = ckpt.load_checkpoint(path, _RolloutStub(self.boot.rank), None, None)
+        extra = ckpt.load_checkpoint(path, _RolloutStub(self.boot.rank), None, None, lora=self._lora)
         _check_extra(extra, self.placement, path)
         self.manager.load_state_dict(extra["managers"][self.index])  # paused until continue_produce
+
+    @property
+    def _lora(self):
+        """The recipe's LoRA as checkpoints record it (rank 0 may be this rank: it writes meta.json)."""
+        from rlcli.train.lora import checkpoint_meta
+
+        return checkpoint_meta(self.recipe.model.lora)
 
     def report_failure(self, exc: BaseException) -> None:
         """Tell train rank 0 why this rank fails (bounded wait), unless the failure came from it."""
