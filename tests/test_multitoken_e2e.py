@@ -36,13 +36,13 @@ def train(repo, work, *overrides):
 
 @pytest.mark.slow
 def test_multitoken_quickstart_learns_held_out_strings(repo, tmp_path):
-    r = train(repo, tmp_path / "run", "trainer.seed=2", "trainer.total_train_steps=400", "trainer.evaluate_step=200")
+    r = train(repo, tmp_path / "run", "trainer.seed=3", "trainer.total_train_steps=300", "trainer.evaluate_step=300")
     evals = {x["step"]: x["eval/accuracy"] for x in r if "eval/accuracy" in x}
-    assert sorted(evals) == [0, 200, 400]
-    # 400 of the recipe's 500 steps, to keep the suite short: on the machine of docs/benchmarks.md
-    # seed 2 is at 0.29 then (0.85 at 500); another CPU rounds differently and takes another
-    # trajectory, so the test asks for less - but far above the 0.0 of an untrained model
-    assert evals[0] <= 0.1 and evals[400] >= 0.2, evals
+    assert sorted(evals) == [0, 300]
+    # 300 of the recipe's 500 steps, to keep the suite short: on the machine of docs/benchmarks.md
+    # seed 3 is at 0.42 then (0.17 at 250, 0.99 at 500); another CPU rounds differently and takes
+    # another trajectory, so the test asks for less - but far above the 0.0 of an untrained model
+    assert evals[0] <= 0.1 and evals[300] >= 0.2, evals
     steps = [x for x in r if x["step"] > 0]
     # answers of several tokens that end with EOS: 2-4 digits + EOS, few cut off at the end
     assert 2.5 <= steps[-1]["response/length_mean"] <= 5.0 and steps[-1]["response/truncated_frac"] < 0.05
