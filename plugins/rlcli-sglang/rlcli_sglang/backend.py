@@ -8,7 +8,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -20,10 +20,12 @@ from rlcli_sglang.logic import (
     FLOAT32_REFUSAL,
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    PAGE_SIZE,
     batch_outputs,
     engine_kwargs,
     finish_reason,
     first_stop,
+    memory_kwargs,
     parse_output,
     plan_phases,
     settle_finish,
@@ -76,12 +78,12 @@ class SGLangBackend(EngineBackend):
     batch_hold_s: ClassVar[float] = 0.5  # batch_requests: the longest callers' bursts hold a batch back
 
     class Config(ComponentConfig):
-        mem_fraction_static: float = Field(
-            0.5,
-            gt=0.0,
-            lt=1.0,
-            description="Share of the GPU's memory SGLang reserves for weights and KV cache "
-            "(SGLang's mem_fraction_static). Leave room for the colocated trainer.",
+        mem_fraction_static: Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["auto"] = Field(
+            "auto",
+            description="'auto': a KV pool sized from the recipe (sequences in flight x their longest prompt + "
+            "max_tokens, +10 %; SGLang's max_total_tokens; docs/backends.md, 'KV cache'). A number: the share of "
+            "the GPU's memory SGLang reserves for weights and KV cache (SGLang's mem_fraction_static, which then "
+            "sizes the pool); leave room for the colocated trainer.",
         )
         max_model_len: int | None = Field(
             None,
@@ -160,8 +162,13 @@ class SGLangBackend(EngineBackend):
             gpu_id = device.index
         else:
             gpu_id = torch.cuda.current_device() if device.type == "cuda" else 0
+        kv = None
+        if self.config.mem_fraction_static == "auto":
+            page = int(self.config.engine_kwargs.get("page_size") or PAGE_SIZE)
+            kv = self.kv_budget(block_size=page, concurrency=self.config.max_batch_size)
         kw = engine_kwargs(
-            self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id
+            self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id,
+            memory=memory_kwargs(self.config, kv),
         )
         try:
             # Built on the engine thread inside a coroutine: the tokenizer manager binds to this loop.

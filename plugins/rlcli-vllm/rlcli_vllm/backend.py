@@ -12,7 +12,7 @@ import sys
 import warnings
 import weakref
 from types import SimpleNamespace
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -24,9 +24,12 @@ from rlcli.backends.engine_runtime import EngineBackend, Job
 from rlcli_vllm.logic import (
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    RESERVED_BLOCKS,
     engine_environment,
     engine_kwargs,
     finish_reason,
+    kv_layout,
+    memory_kwargs,
     logprob_caveat,
     request_problem,
     sampling_kwargs,
@@ -239,12 +242,12 @@ class VLLMBackend(EngineBackend):
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
 
     class Config(ComponentConfig):
-        gpu_memory_utilization: float = Field(
-            0.5,
-            gt=0.0,
-            le=1.0,
-            description="Share of the GPU's memory vLLM may use for weights, activations and KV cache "
-            "(vLLM's gpu_memory_utilization). Leave room for the colocated trainer.",
+        gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = Field(
+            "auto",
+            description="'auto': a KV cache sized from the recipe (sequences in flight x their longest prompt + "
+            "max_tokens, +10 %; vLLM's kv_cache_memory_bytes; docs/backends.md, 'KV cache'). A number: the share "
+            "of the GPU's memory vLLM may use for weights, activations and KV cache (vLLM's "
+            "gpu_memory_utilization, which then sizes the cache); leave room for the colocated trainer.",
         )
         max_model_len: int | None = Field(
             None,
@@ -329,9 +332,23 @@ class VLLMBackend(EngineBackend):
             Executor=Executor,
         )
 
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """``EngineArgs`` of this run; with ``gpu_memory_utilization: auto`` the KV cache is sized from
+        the workload (:meth:`kv_budget`)."""
+        kv = None
+        if self.config.gpu_memory_utilization == "auto":
+            block, kv_bytes = kv_layout(self.config)
+            kv = self.kv_budget(block_size=block, concurrency=self.config.max_batch_size,
+                                reserved_blocks=RESERVED_BLOCKS, dtype_bytes=kv_bytes)
+        device = torch.device(self.ctx.device)
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        memory = memory_kwargs(self.config, kv, weight_bytes=self.weight_bytes, device_bytes=total)
+        return engine_kwargs(self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed,
+                             memory=memory)
+
     def _build_engine(self, api: SimpleNamespace) -> tuple[Any, int]:
         """An in-process ``LLMEngine`` and its resolved ``max_model_len``."""
-        kw = engine_kwargs(self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed)
+        kw = self._engine_kwargs()
         try:
             args = api.EngineArgs(**kw)
         except TypeError as exc:
