@@ -70,7 +70,7 @@ from rlcli.backends.engine_runtime.helpers import (  # noqa: F401 - the private 
 )
 from rlcli.backends.engine_runtime.kv_budget import (
     AUTO_MAX_SHARE,
-    KV_MARGIN,
+    KV_MARGIN_PERCENT,
     KVBudget,
     KVShape,
     plan_kv_cache,
@@ -91,7 +91,7 @@ __all__ = [
     "Job",
     "KVBudget",
     "KVShape",
-    "KV_MARGIN",
+    "KV_MARGIN_PERCENT",
     "ModelInfo",
     "SeedSequence",
     "managed_kwarg_issues",

@@ -8,8 +8,8 @@ The rule (the engine plugins' ``auto`` memory option):
 * tokens per sequence = the longest prompt + ``max_tokens`` (at most ``max_model_len``; the
   whole ``max_model_len`` when the workload does not say), rounded up to the engine's block size;
 * blocks = sequences x blocks per sequence, at least one ``max_model_len`` sequence (every engine
-  checks or caps its context against the cache), plus :data:`KV_MARGIN` (10 %) and the blocks the
-  engine reserves for itself;
+  checks or caps its context against the cache), plus :data:`KV_MARGIN_PERCENT` (10 %, rounded up)
+  and the blocks the engine reserves for itself;
 * bytes = blocks x block size x ``2 x layers x kv_heads x head_dim x dtype bytes``;
 * on a GPU, at most :data:`AUTO_MAX_SHARE` of the memory free when the engine starts, less the
   weights: a workload that needs more (an eval set of thousands of prompts) gets that and the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rlcli.backends.base import RolloutWorkload
 
-KV_MARGIN = 0.10  # extra blocks over the computed need (engine-side bookkeeping, rounding)
+KV_MARGIN_PERCENT = 10  # extra blocks over the computed need (engine-side bookkeeping, rounding)
 AUTO_MAX_SHARE = 0.5  # the most of (free device memory - weights) an automatic KV cache takes
 
 
@@ -74,7 +74,7 @@ class KVBudget:
 
     def describe(self) -> str:
         text = (f"{self.tokens} tokens ({self.nbytes / 2**20:.1f} MiB): {self.sequences} sequences x "
-                f"{self.sequence_tokens} tokens in blocks of {self.block_size}, +{KV_MARGIN:.0%}")
+                f"{self.sequence_tokens} tokens in blocks of {self.block_size}, +{KV_MARGIN_PERCENT}%")
         if self.capped_blocks is not None:
             text += (f"; the workload asked for {self.capped_blocks * self.block_size} tokens, more than "
                      f"{AUTO_MAX_SHARE:.0%} of the free device memory")
@@ -98,7 +98,7 @@ def plan_kv_cache(workload: RolloutWorkload | None, shape: KVShape, *, dtype_byt
     need = sequences * math.ceil(length / block_size)
     if max_model_len:
         need = max(need, math.ceil(max_model_len / block_size) + 1)
-    blocks = math.ceil(need * (1 + KV_MARGIN)) + reserved_blocks
+    blocks = need + -(-need * KV_MARGIN_PERCENT // 100) + reserved_blocks
     budget = KVBudget(sequences, length, block_size, blocks, shape.bytes_per_token(dtype_bytes))
     if free_bytes is not None:
         cap = int(AUTO_MAX_SHARE * max(0, free_bytes - weight_bytes)) // (block_size * budget.bytes_per_token)
