@@ -7,7 +7,7 @@ import gc
 import itertools
 import logging
 from types import SimpleNamespace
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -15,7 +15,7 @@ from pydantic import Field
 from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job, MemoryShare, memory_option
 from rlcli_lmdeploy.logic import (
     BLOCK_SIZE,
     MANAGED_ENGINE_KWARGS,
@@ -70,13 +70,9 @@ class LMDeployBackend(EngineBackend):
                        "(set model.dtype to bfloat16, or auto on a GPU)")
 
     class Config(ComponentConfig):
-        cache_max_entry_count: Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["auto"] = Field(
-            "auto",
-            description="'auto': a KV cache sized from the recipe (sequences in flight x their longest prompt + "
-            "max_tokens, +10 %; LMDeploy's num_gpu_blocks; docs/backends.md, 'KV cache'). A number: the share of "
-            "the free GPU memory (after the weights) LMDeploy's KV cache takes (LMDeploy's "
-            "cache_max_entry_count); leave room for the colocated trainer.",
-        )
+        cache_max_entry_count: MemoryShare = memory_option(
+            "LMDeploy's num_gpu_blocks", "the share of the free GPU memory (after the weights) LMDeploy's KV cache "
+            "takes (LMDeploy's cache_max_entry_count)")
         max_model_len: int | None = Field(
             None,
             gt=1,

@@ -8,14 +8,14 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 from pydantic import Field
 
 from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest
 from rlcli.component import ComponentConfig
-from rlcli.backends.engine_runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job, MemoryShare, memory_option
 from rlcli_sglang.logic import (
     FLOAT32_REFUSAL,
     MANAGED_ENGINE_KWARGS,
@@ -78,13 +78,9 @@ class SGLangBackend(EngineBackend):
     batch_hold_s: ClassVar[float] = 0.5  # batch_requests: the longest callers' bursts hold a batch back
 
     class Config(ComponentConfig):
-        mem_fraction_static: Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["auto"] = Field(
-            "auto",
-            description="'auto': a KV pool sized from the recipe (sequences in flight x their longest prompt + "
-            "max_tokens, +10 %; SGLang's max_total_tokens; docs/backends.md, 'KV cache'). A number: the share of "
-            "the GPU's memory SGLang reserves for weights and KV cache (SGLang's mem_fraction_static, which then "
-            "sizes the pool); leave room for the colocated trainer.",
-        )
+        mem_fraction_static: MemoryShare = memory_option(
+            "SGLang's max_total_tokens", "the share of the GPU's memory SGLang reserves for weights and KV cache "
+            "(SGLang's mem_fraction_static, which then sizes the pool)")
         max_model_len: int | None = Field(
             None,
             gt=1,

@@ -20,7 +20,7 @@ from pydantic import Field
 from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job, memory_option
 from rlcli_vllm.logic import (
     MANAGED_ENGINE_KWARGS,
     ENGINE,
@@ -242,13 +242,9 @@ class VLLMBackend(EngineBackend):
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
 
     class Config(ComponentConfig):
-        gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = Field(
-            "auto",
-            description="'auto': a KV cache sized from the recipe (sequences in flight x their longest prompt + "
-            "max_tokens, +10 %; vLLM's kv_cache_memory_bytes; docs/backends.md, 'KV cache'). A number: the share "
-            "of the GPU's memory vLLM may use for weights, activations and KV cache (vLLM's "
-            "gpu_memory_utilization, which then sizes the cache); leave room for the colocated trainer.",
-        )
+        gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = memory_option(
+            "vLLM's kv_cache_memory_bytes", "the share of the GPU's memory vLLM may use for weights, activations and "
+            "KV cache (vLLM's gpu_memory_utilization, which then sizes the cache)")
         max_model_len: int | None = Field(
             None,
             gt=1,

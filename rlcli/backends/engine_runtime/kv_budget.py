@@ -22,11 +22,26 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
 
 from rlcli.backends.base import RolloutWorkload
 
 KV_MARGIN_PERCENT = 10  # extra blocks over the computed need (engine-side bookkeeping, rounding)
 AUTO_MAX_SHARE = 0.5  # the most of (free device memory - weights) an automatic KV cache takes
+
+
+# An engine plugin's memory option: "auto" (the KV cache from plan_kv_cache) or a share in (0, 1).
+MemoryShare = Annotated[float, Field(gt=0.0, lt=1.0)] | Literal["auto"]
+
+
+def memory_option(knob: str, share: str) -> Any:
+    """The ``Field`` of an engine plugin's memory option (type :data:`MemoryShare`, or a variant):
+    default "auto", passed to the engine as ``knob``; ``share`` says what a number means."""
+    return Field("auto", description=f"'auto': a KV cache sized from the recipe (sequences in flight x their longest "
+                 f"prompt + max_tokens, +{KV_MARGIN_PERCENT} %; passed as {knob}; docs/backends.md, 'KV cache'). A "
+                 f"number: {share}; leave room for the colocated trainer. An explicit number wins.")
 
 
 @dataclass(frozen=True)
