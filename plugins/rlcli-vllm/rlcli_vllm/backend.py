@@ -62,6 +62,9 @@ tokens and logprobs produced so far come back.
   are moved to CPU memory, so ``wake_up`` restores the exact weights (vLLM's level 2 would drop
   them). ``shutdown`` while asleep wakes the engine first (freeing unmapped sleep-mode memory is
   not safe in vLLM 0.26).
+* **KV cache**: ``gpu_memory_utilization: auto`` (default) passes ``kv_cache_memory_bytes`` sized from
+  the run's workload (:meth:`~rlcli.backends.engine_runtime.EngineBackend.kv_budget`); a number is
+  vLLM's own share.
 * **float32**: vLLM serves float32 models with its Triton attention backend (FlashAttention and
   FlashInfer are half-precision only); the plugin sets ``TRITON_F32_DEFAULT=ieee`` for float32
   engines (unless set) so that attention runs in full float32 instead of TF32.
