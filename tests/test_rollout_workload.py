@@ -60,7 +60,8 @@ def test_workload_counts_over_sampling_shards_and_the_largest_eval_task(repo):
     eval_cfg = recipe.eval.evaluator.model_copy(update={"sample_num": 300})
     assert rollout_workload(big[1:], recipe.tasks, 100, eval_cfg, (0, 2)).max_sequences == 150
     # a sampler that cannot tell its prompts' lengths (and sets no max_prompt_length): length unknown
-    assert rollout_workload([(train, Sampler(None))], recipe.tasks, 4, None, (0, 1)) == RolloutWorkload((4 + 2) * 8, None)
+    unknown = rollout_workload([(train, Sampler(None))], recipe.tasks, 4, None, (0, 1))
+    assert unknown == RolloutWorkload((4 + 2) * 8, None)  # 4 groups + ceil(0.5 x 4) over-sampled
     assert rollout_workload([], recipe.tasks, 100, None, (0, 1)) is None
 
 

@@ -106,7 +106,8 @@ def kv_layout(cfg: Any) -> tuple[int, int | None]:
     return int(extra.get("block_size") or BLOCK_SIZE), _KV_DTYPE_BYTES.get(str(extra.get("kv_cache_dtype", "auto")))
 
 
-def memory_kwargs(cfg: Any, kv: Any = None, *, weight_bytes: int = 0, device_bytes: int | None = None) -> dict[str, Any]:
+def memory_kwargs(cfg: Any, kv: Any = None, *, weight_bytes: int = 0,
+                  device_bytes: int | None = None) -> dict[str, Any]:
     """vLLM's memory arguments. An explicit ``gpu_memory_utilization`` share goes through as it is.
     'auto' with a KV budget ``kv`` (:class:`~rlcli.backends.engine_runtime.KVBudget`) passes
     ``kv_cache_memory_bytes`` (vLLM 0.26 then skips its memory profiling and ignores the share for
