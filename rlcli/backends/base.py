@@ -51,9 +51,25 @@ class GenerateOutput:
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class RolloutWorkload:
+    """The most a run asks of one backend replica at once, from its recipe: what an engine sizes its
+    KV cache for (``rlcli.runner.workload`` computes it).
+
+    ``max_sequences``: sequences in flight at once - the training tasks' groups of one step
+    (over-sampled ones included) times their group size, or the largest eval task's prompts times
+    its group size, whichever is more. ``max_sequence_tokens``: prompt + response tokens of the
+    longest sequence (the longest prompt of the data plus the task's ``max_tokens``); None when a
+    task does not say (a third-party sampler or agent loop).
+    """
+
+    max_sequences: int
+    max_sequence_tokens: int | None = None
+
+
 @dataclass
 class BackendContext:
-    """What the runner tells a backend about the model and the machine."""
+    """What the runner tells a backend about the model, the machine and the workload."""
 
     model_dir: str  # Hugging Face directory: config.json, weights, tokenizer
     device: torch.device
@@ -64,6 +80,9 @@ class BackendContext:
     version: int = 0  # policy version of the weights in model_dir
     rank: int = 0
     world_size: int = 1
+    # What the recipe will ask of this replica at most at once; None when unknown (a context built
+    # outside rlcli's runners): backends then fall back to their own sizing.
+    workload: RolloutWorkload | None = None
 
 
 class InferenceBackend(Component, abc.ABC):

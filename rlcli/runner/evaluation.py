@@ -10,6 +10,7 @@ from rlcli.config import EvalConfig
 from rlcli.dist import rank, world_size
 from rlcli.produce.manager import engine_metrics
 from rlcli.runner.setup import Environment, build_tasks
+from rlcli.runner.workload import eval_prompt_count
 from rlcli.types import Sample
 
 
@@ -40,17 +41,12 @@ class Evaluator:
         index, count = self._shard()
         total = 0
         for t in self.tasks:
-            n = self._num_prompts(t.sampler) or len(t.sampler)
+            n = self._num_prompts(t.sampler)
             total += len(range(index, n, count))
         return total
 
-    def _num_prompts(self, sampler) -> int | None:
-        ev = self.eval_cfg.evaluator
-        if ev.sample_num > 0:
-            return min(ev.sample_num, len(sampler))
-        if ev.sample_ratio > 0:
-            return max(1, int(len(sampler) * ev.sample_ratio))
-        return None
+    def _num_prompts(self, sampler) -> int:
+        return eval_prompt_count(self.eval_cfg.evaluator, sampler)
 
     async def run(self, step: int, progress=None) -> list[Sample]:
         """Roll out and judge this rank's share of every eval task's prompts."""

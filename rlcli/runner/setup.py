@@ -23,6 +23,7 @@ from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, token
 from rlcli.plugins import get_registry
 from rlcli.produce import Task
 from rlcli.produce.staleness import StalenessRule
+from rlcli.runner.workload import rollout_workload
 from rlcli.tokenizer import eos_token_ids, load_tokenizer
 
 if TYPE_CHECKING:
@@ -80,7 +81,8 @@ def setup_logging(work_dir: Path | None, quiet: bool = False) -> None:
 class Environment:
     """Device, dtype, model directory and tokenizer of a run, and the builders of its inference backend
     and train worker. It reads the recipe's ``resources``, ``model``, ``trainer.seed``, ``rollout`` and
-    ``train_worker`` and keeps only those sections."""
+    ``train_worker`` and keeps only those sections, plus what sizes the backend's workload
+    (``trainer.train_batch_size``, the training tasks, ``eval.evaluator``)."""
 
     def __init__(self, recipe: Recipe, work_dir: Path):
         self.work_dir = work_dir
@@ -95,6 +97,9 @@ class Environment:
             torch.set_num_threads(recipe.resources.num_threads)
         self.dtype = resolve_dtype(recipe.model.dtype, self.device)
         self.seed = recipe.trainer.seed
+        self._train_tasks, self._train_batch_size = recipe.tasks, recipe.trainer.train_batch_size
+        self._evaluator = recipe.eval.evaluator if recipe.eval else None
+        self._prepared: list[tuple[TaskConfig, Any]] = []  # the tasks this process rolls out (prepare_samplers)
         if is_main():  # rank 0 materialises a from-scratch model; the others read it
             self.model_dir = prepare_model_dir(recipe.model, work_dir, self.seed)
         barrier()
@@ -116,6 +121,7 @@ class Environment:
         for tc in task_cfgs:
             sampler = tc.sampler.build(tokenizer=self.tokenizer, task_name=tc.task_name, seed=self.seed)
             self._samplers[id(tc)] = (tc, sampler)
+            self._prepared.append((tc, sampler))
             out.append((tc.task_name, sampler))
             errors += self._check_prompts(tc, sampler, trains=any(tc is t for t in trained))
         if errors:
@@ -143,12 +149,15 @@ class Environment:
         return tc.sampler.build(tokenizer=self.tokenizer, task_name=tc.task_name, seed=self.seed)
 
     def build_backend(self, version: int = 0, shard: tuple[int, int] | None = None) -> InferenceBackend:
-        """The recipe's inference backend; ``shard=(index, replicas)`` when not every rank hosts one."""
+        """The recipe's inference backend; ``shard=(index, replicas)`` when not every rank hosts one. Its
+        context carries the workload of the tasks :meth:`prepare_samplers` prepared (call that first)."""
         index, replicas = shard if shard is not None else (self.rank, self.world_size)
+        workload = rollout_workload(self._prepared, self._train_tasks, self._train_batch_size, self._evaluator,
+                                    (index, replicas))
         ctx = BackendContext(
             model_dir=str(self.model_dir), device=self.device, dtype=self.dtype, eos_token_ids=self.eos_ids,
             pad_token_id=self.tokenizer.pad_token_id, seed=self.seed, version=version,
-            rank=index, world_size=replicas,
+            rank=index, world_size=replicas, workload=workload,
         )
         return self.rollout_spec.build(ctx=ctx)
 

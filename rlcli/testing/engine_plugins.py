@@ -5,13 +5,16 @@ party's backend built on :class:`rlcli.backends.engine_runtime.EngineBackend`).
   plugin's ``gpu``-marked tests with the exact reason (engine not installed, no CUDA);
 * :func:`fake_next_token` / :func:`fake_token_logprob` / :func:`fake_expected` - a deterministic
   token model for CPU stand-ins of an engine, so tests can predict every token and logprob;
-* :func:`cpu_context` - a :class:`BackendContext` on the CPU with a given EOS id.
+* :func:`cpu_context` - a :class:`BackendContext` on the CPU with a given EOS id;
+* :func:`check_quickstart_with_defaults` - (GPU) train ``recipes/quickstart.yaml`` for a few steps
+  through an engine plugin at its default options; its KV cache must hold the recipe's workload
+  within the budget sized from it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 
@@ -76,3 +79,33 @@ def cpu_context(model_dir: str | Path, eos: int = 2, version: int = 0,
     """A CPU :class:`BackendContext` with one EOS id."""
     return BackendContext(model_dir=str(model_dir), device=torch.device("cpu"), dtype=dtype,
                           eos_token_ids=[eos], seed=0, version=version)
+
+
+def check_quickstart_with_defaults(backend: str, work_dir: str | Path, engine_kv_tokens: Callable[[Any], int | None],
+                                   overrides: Iterable[str] = (), steps: int = 3) -> dict[str, float]:
+    """Train the repository's ``recipes/quickstart.yaml`` with ``rollout.name=<backend>`` on CUDA for
+    ``steps`` steps, every other rollout option at the plugin's default (so the KV cache is sized from
+    the recipe), plus ``overrides``. Checks that the run finishes, that the backend planned its KV
+    cache from the workload (``backend.kv_plan``) and that the cache the engine reports
+    (``engine_kv_tokens(backend)``, None when it cannot tell) holds every sequence in flight at once
+    and stays within the plan. Returns the last step's metrics."""
+    from rlcli.config import load_recipe
+    from rlcli.runner.colocate import ColocateRunner
+
+    recipe_path = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    recipe = load_recipe(recipe_path, ["resources.device=cuda", f"rollout.name={backend}",
+                                       f"trainer.total_train_steps={steps}", f"trainer.work_dir={work_dir}",
+                                       *overrides])
+    runner = ColocateRunner(recipe, quiet=True)
+    try:
+        plan, workload = runner.backend.kv_plan, runner.backend.ctx.workload
+        assert workload is not None and plan is not None, "the KV cache was not sized from the recipe"
+        need = workload.max_sequences * workload.max_sequence_tokens
+        reported = engine_kv_tokens(runner.backend)
+        if reported is not None:
+            assert need <= reported <= plan.tokens, (need, reported, plan.describe())
+        metrics = runner.fit()
+    finally:
+        runner.close()
+    assert runner.step == steps
+    return metrics

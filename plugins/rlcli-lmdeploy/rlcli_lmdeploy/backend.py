@@ -15,14 +15,17 @@ from pydantic import Field
 from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job, MemoryShare, memory_option
 from rlcli_lmdeploy.logic import (
+    BLOCK_SIZE,
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    RESERVED_BLOCKS,
     engine_config_kwargs,
     finish_from_status,
     generation_kwargs,
     logprob_caveat,
+    memory_kwargs,
     request_problem,
     token_logprobs,
     upcast_logits,
@@ -67,13 +70,9 @@ class LMDeployBackend(EngineBackend):
                        "(set model.dtype to bfloat16, or auto on a GPU)")
 
     class Config(ComponentConfig):
-        cache_max_entry_count: float = Field(
-            0.5,
-            gt=0.0,
-            lt=1.0,
-            description="Share of the free GPU memory (after the weights) LMDeploy's KV cache takes "
-            "(LMDeploy's cache_max_entry_count). Leave room for the colocated trainer.",
-        )
+        cache_max_entry_count: MemoryShare = memory_option(
+            "LMDeploy's num_gpu_blocks", "the share of the free GPU memory (after the weights) LMDeploy's KV cache "
+            "takes (LMDeploy's cache_max_entry_count)")
         max_model_len: int | None = Field(
             None,
             gt=1,
@@ -163,7 +162,13 @@ class LMDeployBackend(EngineBackend):
         device = torch.device(self.ctx.device)
         if device.type == "cuda":
             torch.cuda.set_device(device.index if device.index is not None else torch.cuda.current_device())
-        kwargs = engine_config_kwargs(self.config, dtype=self.ctx.dtype, session_len=self.max_model_len)
+        kv = None
+        if self.config.cache_max_entry_count == "auto":
+            block = int(self.config.engine_kwargs.get("block_size") or BLOCK_SIZE)
+            kv = self.kv_budget(block_size=block, concurrency=self.config.max_batch_size,
+                                reserved_blocks=RESERVED_BLOCKS)
+        kwargs = engine_config_kwargs(self.config, dtype=self.ctx.dtype, session_len=self.max_model_len,
+                                      memory=memory_kwargs(self.config, kv))
         try:
             engine_config = api.PytorchEngineConfig(**kwargs)
         except Exception as exc:  # unknown or invalid engine_kwargs (TypeError, AssertionError, ...)

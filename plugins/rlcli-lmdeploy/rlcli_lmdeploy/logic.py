@@ -68,6 +68,7 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "distributed_executor_backend": "'uni': the engine runs in process",
     "empty_init": "off: the engine loads the model directory",
     "cache_max_entry_count": "use the cache_max_entry_count option",
+    "num_gpu_blocks": "cache_max_entry_count 'auto' sizes it from the recipe; give a share instead",
     "session_len": "use the max_model_len option",
     "max_batch_size": "use the max_batch_size option",
     "eager_mode": "use the eager_mode option",
@@ -84,12 +85,36 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"LMDeploy's PyTorch engine serves bfloat16 or float16 models, not {dtype}") from None
 
 
-def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | None = None) -> dict[str, Any]:
+# PytorchEngineConfig.block_size's default, the blocks LMDeploy holds back for dummy inputs
+# (pytorch/engine/config_builder.py: num_reserved_gpu_blocks=1), and the cache_max_entry_count
+# 'auto' falls back to without a workload to size from (a context built by hand).
+BLOCK_SIZE = 64
+RESERVED_BLOCKS = 1
+FALLBACK_CACHE_SHARE = 0.5
+
+
+def memory_kwargs(cfg: Any, kv: Any = None) -> dict[str, Any]:
+    """LMDeploy's memory arguments. An explicit ``cache_max_entry_count`` goes through as it is
+    (PytorchEngineConfig asserts 0 < value < 1: a share, never a block count, in 0.18). 'auto' with
+    a KV budget ``kv`` passes ``num_gpu_blocks`` (LMDeploy 0.18 then keeps that count,
+    ``pytorch/engine/executor/base.py`` ``_update_num_gpu_blocks``) and no share: LMDeploy's default
+    (0.8) then only enters its estimate of the prefill buffers. 'auto' without a budget:
+    :data:`FALLBACK_CACHE_SHARE`."""
+    if cfg.cache_max_entry_count != "auto":
+        return {"cache_max_entry_count": cfg.cache_max_entry_count}
+    if kv is None:
+        return {"cache_max_entry_count": FALLBACK_CACHE_SHARE}
+    return {"num_gpu_blocks": int(kv.blocks)}
+
+
+def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | None = None,
+                         memory: dict[str, Any] | None = None) -> dict[str, Any]:
     """``lmdeploy.PytorchEngineConfig`` keyword arguments for the plugin's config and a run.
 
     ``session_len`` is the model's context (``max_position_embeddings``), used when the
     ``max_model_len`` option is unset: LMDeploy's ``Engine`` (unlike its ``pipeline``) does not
     read it from the model and would otherwise allow as many tokens as the KV cache holds.
+    ``memory``: from :func:`memory_kwargs` (default: those of a config without a KV budget).
     """
     kw: dict[str, Any] = dict(
         dtype=dtype_name(dtype),
@@ -99,9 +124,9 @@ def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | Non
         enable_prefix_caching=False,
         enable_mp_engine=False,
         distributed_executor_backend="uni",
-        cache_max_entry_count=cfg.cache_max_entry_count,
         eager_mode=cfg.eager_mode,
     )
+    kw.update(memory if memory is not None else memory_kwargs(cfg))
     if (cfg.max_model_len or session_len) is not None:
         kw["session_len"] = int(cfg.max_model_len or session_len)
     if cfg.max_batch_size is not None:

@@ -111,6 +111,7 @@ class PytorchEngineConfig:
     max_batch_size: int | None = None
     cache_max_entry_count: float = 0.8
     block_size: int = 64
+    num_gpu_blocks: int = 0
     max_prefill_token_num: int = 8192
     enable_prefix_caching: bool = False
     device_type: str = "cuda"
@@ -124,6 +125,7 @@ class PytorchEngineConfig:
     def __post_init__(self):
         assert self.dtype in ("auto", "float16", "bfloat16")
         assert 0 < self.cache_max_entry_count < 1, "invalid cache_max_entry_count"
+        assert self.num_gpu_blocks >= 0, "invalid num_gpu_blocks"
         assert self.device_type in ("cuda", "ascend", "maca", "camb")
 
 
@@ -243,7 +245,10 @@ class FakeEngine:
                 raise SystemExit(1)  # LMDeploy's checkers log and call exit(1)
         self.executor = SimpleNamespace(model_agent=FakeAgent(self))
         session_len = self.engine_config.session_len
-        self.max_session_len = min(session_len, self.kv_tokens) if session_len else self.kv_tokens
+        # Engine._get_max_session_len: (num_gpu_blocks - 1 reserved) blocks, less one block
+        blocks, size = self.engine_config.num_gpu_blocks, self.engine_config.block_size
+        kv_tokens = (blocks - 1) * size - size if blocks else self.kv_tokens
+        self.max_session_len = min(session_len, kv_tokens) if session_len else kv_tokens
         if self.engine_config.max_batch_size is None:
             self.engine_config.max_batch_size = 8
         self.calls: list[tuple] = []

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from fake_lmdeploy import FakeLMDeployBackend, context, token_logprob
 from transformers import AutoModelForCausalLM
 
-from rlcli.backends.base import GenerateRequest
+from rlcli.backends.base import GenerateRequest, RolloutWorkload
 from rlcli.testing.engine_plugins import fake_expected
 from rlcli.types import SampleParams
 
@@ -293,3 +294,22 @@ def test_stream_deltas_are_not_kept_after_they_are_parsed(backend, monkeypatch):
     out = asyncio.run(gen(backend, [4, 5], max_tokens=20, ignore_eos=True))
     assert out.token_ids == expected(backend, [4, 5], 20)
     assert len(alive) == 20 and max(alive) <= 1, alive  # at most the delta just handed over
+
+
+def test_auto_sizes_the_kv_cache_from_the_workload_and_a_share_goes_through(tiny_qwen2):
+    workload = RolloutWorkload(max_sequences=40, max_sequence_tokens=37)
+
+    def engine_config(**options):
+        be = FakeLMDeployBackend(FakeLMDeployBackend.Config(**options), replace(context(tiny_qwen2), workload=workload))
+        config, served = be.fake.engine_config, be.max_model_len
+        be.shutdown()
+        return config, served
+
+    config, served = engine_config()
+    # 37 tokens = 1 block of 64 per sequence; +10 %; + LMDeploy's reserved block
+    assert config.num_gpu_blocks == 40 + 4 + 1 and config.cache_max_entry_count == 0.8  # LMDeploy's default
+    assert served == 512  # the cache holds a whole max_model_len sequence: session_len is not cut
+    # max_batch_size bounds the sequences in flight; one max_model_len (512 = 8 blocks) sequence is the floor
+    assert engine_config(max_batch_size=2)[0].num_gpu_blocks == 9 + 1 + 1
+    explicit, _ = engine_config(cache_max_entry_count=0.3)
+    assert explicit.cache_max_entry_count == 0.3 and explicit.num_gpu_blocks == 0

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlcli.testing import backend_conformance as bc
+from rlcli.testing.engine_plugins import check_quickstart_with_defaults
 from rlcli_lmdeploy import LMDeployBackend
 
 pytestmark = pytest.mark.gpu
@@ -58,3 +59,12 @@ def test_the_engines_logits_are_float32(dirs):
             assert be._lmd.executor.model_agent.get_logits(hidden[None])[0].dtype == dtype
         finally:
             be.shutdown()
+
+
+def test_quickstart_trains_with_the_default_kv_cache_sized_from_the_recipe(tmp_path):
+    def kv_tokens(backend):  # LMDeploy's cache config after start-up (its reserved block included)
+        cache = backend._lmd.cache_config
+        return cache.num_gpu_blocks * cache.block_size
+
+    # LMDeploy serves bfloat16/float16 only; otherwise the quickstart as it is
+    check_quickstart_with_defaults("lmdeploy", tmp_path / "work", kv_tokens, ["model.dtype=bfloat16"])

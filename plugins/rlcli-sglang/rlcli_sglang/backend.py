@@ -15,15 +15,17 @@ from pydantic import Field
 
 from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest
 from rlcli.component import ComponentConfig
-from rlcli.backends.engine_runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job, MemoryShare, memory_option
 from rlcli_sglang.logic import (
     FLOAT32_REFUSAL,
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    PAGE_SIZE,
     batch_outputs,
     engine_kwargs,
     finish_reason,
     first_stop,
+    memory_kwargs,
     parse_output,
     plan_phases,
     settle_finish,
@@ -76,13 +78,9 @@ class SGLangBackend(EngineBackend):
     batch_hold_s: ClassVar[float] = 0.5  # batch_requests: the longest callers' bursts hold a batch back
 
     class Config(ComponentConfig):
-        mem_fraction_static: float = Field(
-            0.5,
-            gt=0.0,
-            lt=1.0,
-            description="Share of the GPU's memory SGLang reserves for weights and KV cache "
-            "(SGLang's mem_fraction_static). Leave room for the colocated trainer.",
-        )
+        mem_fraction_static: MemoryShare = memory_option(
+            "SGLang's max_total_tokens", "the share of the GPU's memory SGLang reserves for weights and KV cache "
+            "(SGLang's mem_fraction_static, which then sizes the pool)")
         max_model_len: int | None = Field(
             None,
             gt=1,
@@ -160,8 +158,13 @@ class SGLangBackend(EngineBackend):
             gpu_id = device.index
         else:
             gpu_id = torch.cuda.current_device() if device.type == "cuda" else 0
+        kv = None
+        if self.config.mem_fraction_static == "auto":
+            page = int(self.config.engine_kwargs.get("page_size") or PAGE_SIZE)
+            kv = self.kv_budget(block_size=page, concurrency=self.config.max_batch_size)
         kw = engine_kwargs(
-            self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id
+            self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id,
+            memory=memory_kwargs(self.config, kv),
         )
         try:
             # Built on the engine thread inside a coroutine: the tokenizer manager binds to this loop.

@@ -70,6 +70,7 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "enable_weights_cpu_backup": "always true (weights survive sleep level 2)",
     "incremental_streaming_output": "always false (the plugin reads cumulative stream chunks)",
     "mem_fraction_static": "use the mem_fraction_static option",
+    "max_total_tokens": "mem_fraction_static 'auto' sizes it from the recipe; give a share instead",
     "context_length": "use the max_model_len option",
     "max_running_requests": "use the max_batch_size option",
     "tp_size": "use the tp_size option",
@@ -99,8 +100,35 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"SGLang serves bfloat16 or float16 models, not {dtype} (set model.dtype: bfloat16)") from None
 
 
-def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gpu_id: int) -> dict[str, Any]:
-    """``sglang.Engine`` (``ServerArgs``) keyword arguments for the plugin's config and a run."""
+# SGLang's KV pool page (ServerArgs.page_size; 1 for the attention backends of dense models on
+# Hopper), the mem_fraction_static that 'auto' passes with a pool size, and the one it falls back to
+# without a workload to size from (a context built by hand).
+PAGE_SIZE = 1
+AUTO_STATIC_FRACTION = 0.9
+FALLBACK_STATIC_FRACTION = 0.5
+
+
+def memory_kwargs(cfg: Any, kv: Any = None) -> dict[str, Any]:
+    """SGLang's memory arguments. An explicit ``mem_fraction_static`` goes through as it is. 'auto'
+    with a KV budget ``kv`` passes ``max_total_tokens`` (the pool's size in tokens: SGLang 0.5.17
+    caps the profiled pool at it, ``mem_cache/kv_cache_configurator.py``
+    ``_apply_token_constraints``, also after CUDA-graph capture) with mem_fraction_static
+    :data:`AUTO_STATIC_FRACTION`: the share is then no reservation, only the ceiling on weights +
+    pool against the memory free at start, and 1 - share the room SGLang's start-up check keeps for
+    activations and CUDA graphs (its own default on a 141 GB GPU is about 0.93); a small share would
+    only cut the pool below the recipe's size. 'auto' without a budget:
+    :data:`FALLBACK_STATIC_FRACTION`."""
+    if cfg.mem_fraction_static != "auto":
+        return {"mem_fraction_static": cfg.mem_fraction_static}
+    if kv is None:
+        return {"mem_fraction_static": FALLBACK_STATIC_FRACTION}
+    return {"mem_fraction_static": AUTO_STATIC_FRACTION, "max_total_tokens": int(kv.tokens)}
+
+
+def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gpu_id: int,
+                  memory: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``sglang.Engine`` (``ServerArgs``) keyword arguments for the plugin's config and a run
+    (``memory``: from :func:`memory_kwargs`; default: those of a config without a KV budget)."""
     kw: dict[str, Any] = dict(
         model_path=str(model_dir),
         skip_tokenizer_init=True,
@@ -110,11 +138,11 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
         incremental_streaming_output=False,
-        mem_fraction_static=cfg.mem_fraction_static,
         tp_size=cfg.tp_size,
         disable_cuda_graph=cfg.disable_cuda_graph,
         log_level=cfg.log_level,
     )
+    kw.update(memory if memory is not None else memory_kwargs(cfg))
     if cfg.max_model_len is not None:
         kw["context_length"] = cfg.max_model_len
     if cfg.max_batch_size is not None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from fake_sglang import FakeSGLangBackend, context, token_logprob
 from transformers import AutoModelForCausalLM
 
-from rlcli.backends.base import GenerateRequest
+from rlcli.backends.base import GenerateRequest, RolloutWorkload
 from rlcli.testing.engine_plugins import fake_expected
 from rlcli.types import SampleParams
 
@@ -204,3 +205,22 @@ def test_pause_of_a_streamed_request_keeps_the_streamed_tokens(backend):
     assert part.finish_reason == "abort" and 1 < len(part.token_ids) < 500
     assert part.token_ids == expected(backend, [1, 2], len(part.token_ids))
     assert part.logprobs == [token_logprob(t) for t in part.token_ids]
+
+
+def test_auto_sizes_the_kv_pool_from_the_workload_and_a_share_goes_through(tiny_qwen2):
+    from fake_sglang import FakeEngine
+
+    workload = RolloutWorkload(max_sequences=40, max_sequence_tokens=37)
+
+    def engine_kw(**options):
+        be = FakeSGLangBackend(FakeSGLangBackend.Config(**options), replace(context(tiny_qwen2), workload=workload))
+        be.shutdown()
+        return FakeEngine.last.kwargs
+
+    kw = engine_kw()
+    assert kw["max_total_tokens"] == 40 * 37 + 148  # pages of 1 token; +10 %
+    assert kw["mem_fraction_static"] == 0.9  # only a ceiling once the pool has a size
+    # max_batch_size bounds the sequences in flight; one max_model_len (512) sequence is the floor
+    assert engine_kw(max_batch_size=8)["max_total_tokens"] == 513 + 52
+    explicit = engine_kw(mem_fraction_static=0.3)
+    assert explicit["mem_fraction_static"] == 0.3 and "max_total_tokens" not in explicit

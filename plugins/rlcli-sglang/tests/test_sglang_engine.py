@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rlcli.testing import backend_conformance as bc
+from rlcli.testing.engine_plugins import check_quickstart_with_defaults
 from rlcli_sglang import SGLangBackend
 
 pytestmark = pytest.mark.gpu
@@ -68,3 +69,12 @@ def test_greedy_copies_agree_in_deterministic_mode(dirs):
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
     bc.check_sleep_frees_device_memory(lambda d: make_backend(d, mem_fraction_static=0.3), dirs[0], min_fraction={1: 0.3, 2: 0.5})
+
+
+def test_quickstart_trains_with_the_default_kv_pool_sized_from_the_recipe(tmp_path):
+    def kv_tokens(backend):  # the pool size the scheduler reported at start-up
+        infos = getattr(getattr(backend._sgl, "_scheduler_init_result", None), "scheduler_infos", None)
+        return int(infos[0]["max_total_num_tokens"]) if infos else None
+
+    # SGLang serves bfloat16/float16 only; otherwise the quickstart as it is
+    check_quickstart_with_defaults("sglang", tmp_path / "work", kv_tokens, ["model.dtype=bfloat16"])

@@ -12,7 +12,7 @@ import sys
 import warnings
 import weakref
 from types import SimpleNamespace
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field
@@ -20,13 +20,16 @@ from pydantic import Field
 from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.types import SampleParams
-from rlcli.backends.engine_runtime import EngineBackend, Job
+from rlcli.backends.engine_runtime import EngineBackend, Job, memory_option
 from rlcli_vllm.logic import (
     MANAGED_ENGINE_KWARGS,
     ENGINE,
+    RESERVED_BLOCKS,
     engine_environment,
     engine_kwargs,
     finish_reason,
+    kv_layout,
+    memory_kwargs,
     logprob_caveat,
     request_problem,
     sampling_kwargs,
@@ -59,6 +62,9 @@ tokens and logprobs produced so far come back.
   are moved to CPU memory, so ``wake_up`` restores the exact weights (vLLM's level 2 would drop
   them). ``shutdown`` while asleep wakes the engine first (freeing unmapped sleep-mode memory is
   not safe in vLLM 0.26).
+* **KV cache**: ``gpu_memory_utilization: auto`` (default) passes ``kv_cache_memory_bytes`` sized from
+  the run's workload (:meth:`~rlcli.backends.engine_runtime.EngineBackend.kv_budget`); a number is
+  vLLM's own share.
 * **float32**: vLLM serves float32 models with its Triton attention backend (FlashAttention and
   FlashInfer are half-precision only); the plugin sets ``TRITON_F32_DEFAULT=ieee`` for float32
   engines (unless set) so that attention runs in full float32 instead of TF32.
@@ -239,13 +245,9 @@ class VLLMBackend(EngineBackend):
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
 
     class Config(ComponentConfig):
-        gpu_memory_utilization: float = Field(
-            0.5,
-            gt=0.0,
-            le=1.0,
-            description="Share of the GPU's memory vLLM may use for weights, activations and KV cache "
-            "(vLLM's gpu_memory_utilization). Leave room for the colocated trainer.",
-        )
+        gpu_memory_utilization: Annotated[float, Field(gt=0.0, le=1.0)] | Literal["auto"] = memory_option(
+            "vLLM's kv_cache_memory_bytes", "the share of the GPU's memory vLLM may use for weights, activations and "
+            "KV cache (vLLM's gpu_memory_utilization, which then sizes the cache)")
         max_model_len: int | None = Field(
             None,
             gt=1,
@@ -329,9 +331,23 @@ class VLLMBackend(EngineBackend):
             Executor=Executor,
         )
 
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """``EngineArgs`` of this run; with ``gpu_memory_utilization: auto`` the KV cache is sized from
+        the workload (:meth:`kv_budget`)."""
+        kv = None
+        if self.config.gpu_memory_utilization == "auto":
+            block, kv_bytes = kv_layout(self.config)
+            kv = self.kv_budget(block_size=block, concurrency=self.config.max_batch_size,
+                                reserved_blocks=RESERVED_BLOCKS, dtype_bytes=kv_bytes)
+        device = torch.device(self.ctx.device)
+        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+        memory = memory_kwargs(self.config, kv, weight_bytes=self.weight_bytes, device_bytes=total)
+        return engine_kwargs(self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed,
+                             memory=memory)
+
     def _build_engine(self, api: SimpleNamespace) -> tuple[Any, int]:
         """An in-process ``LLMEngine`` and its resolved ``max_model_len``."""
-        kw = engine_kwargs(self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed)
+        kw = self._engine_kwargs()
         try:
             args = api.EngineArgs(**kw)
         except TypeError as exc:

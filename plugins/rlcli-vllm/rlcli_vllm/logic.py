@@ -38,6 +38,7 @@ Matched against the vLLM 0.26.0 sources (wheel ``vllm-0.26.0-cp38-abi3-manylinux
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -63,6 +64,7 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "generation_config": "'vllm': the model's generation_config.json never changes sampling defaults",
     "logprobs_mode": "use the logprobs_mode option",
     "gpu_memory_utilization": "use the gpu_memory_utilization option",
+    "kv_cache_memory_bytes": "gpu_memory_utilization 'auto' sizes it from the recipe; give a share instead",
     "max_model_len": "use the max_model_len option",
     "tensor_parallel_size": "use the tensor_parallel_size option",
     "enforce_eager": "use the enforce_eager option",
@@ -88,8 +90,46 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"vLLM serves bfloat16, float16 or float32 models, not {dtype}") from None
 
 
-def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int) -> dict[str, Any]:
-    """``vllm.EngineArgs`` keyword arguments for the plugin's config and a run."""
+# vLLM's KV-cache block (CacheConfig.DEFAULT_BLOCK_SIZE; the CUDA attention backends keep it) and the
+# block its BlockPool holds back (null_block).
+BLOCK_SIZE = 16
+RESERVED_BLOCKS = 1
+# gpu_memory_utilization when 'auto' has no workload to size from (a context built by hand)
+FALLBACK_UTILIZATION = 0.5
+_KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def kv_layout(cfg: Any) -> tuple[int, int | None]:
+    """``(block size, KV bytes per element or None for the model dtype)`` of the engine this config
+    builds (``engine_kwargs`` may set ``block_size`` and ``kv_cache_dtype``)."""
+    extra = cfg.engine_kwargs
+    return int(extra.get("block_size") or BLOCK_SIZE), _KV_DTYPE_BYTES.get(str(extra.get("kv_cache_dtype", "auto")))
+
+
+def memory_kwargs(cfg: Any, kv: Any = None, *, weight_bytes: int = 0,
+                  device_bytes: int | None = None) -> dict[str, Any]:
+    """vLLM's memory arguments. An explicit ``gpu_memory_utilization`` share goes through as it is.
+    'auto' with a KV budget ``kv`` (:class:`~rlcli.backends.engine_runtime.KVBudget`) passes
+    ``kv_cache_memory_bytes`` (vLLM 0.26 then skips its memory profiling and ignores the share for
+    the cache, ``vllm/v1/worker/gpu_worker.py`` ``determine_available_memory``) and, as the share,
+    what the weights and that cache take of the device (rounded up to 0.01): with an absolute cache
+    vLLM reads the share only in its start-up check (free memory >= share x total,
+    ``vllm/v1/worker/utils.py`` ``request_memory``), so the check asks for what the engine really
+    holds. 'auto' without a budget: :data:`FALLBACK_UTILIZATION`."""
+    if cfg.gpu_memory_utilization != "auto":
+        return {"gpu_memory_utilization": cfg.gpu_memory_utilization}
+    if kv is None:
+        return {"gpu_memory_utilization": FALLBACK_UTILIZATION}
+    share = 0.01
+    if device_bytes:
+        share = min(1.0, max(share, math.ceil(100 * (weight_bytes + kv.nbytes) / device_bytes) / 100))
+    return {"gpu_memory_utilization": share, "kv_cache_memory_bytes": int(kv.nbytes)}
+
+
+def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int,
+                  memory: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``vllm.EngineArgs`` keyword arguments for the plugin's config and a run (``memory``: from
+    :func:`memory_kwargs`; default: those of a config without a KV budget)."""
     kw: dict[str, Any] = dict(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -99,12 +139,12 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int) ->
         worker_extension_cls=WORKER_EXTENSION,
         generation_config="vllm",
         logprobs_mode=cfg.logprobs_mode,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
         tensor_parallel_size=cfg.tensor_parallel_size,
         enforce_eager=cfg.enforce_eager,
         distributed_executor_backend="uni",
         disable_log_stats=True,
     )
+    kw.update(memory if memory is not None else memory_kwargs(cfg))
     if cfg.max_model_len is not None:
         kw["max_model_len"] = cfg.max_model_len
     if cfg.max_batch_size is not None:

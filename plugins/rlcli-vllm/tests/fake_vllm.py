@@ -283,6 +283,7 @@ class FakeVLLMBackend(VLLMBackend):
         return SimpleNamespace(SamplingParams=SamplingParams, RequestOutputKind=RequestOutputKind)
 
     def _build_engine(self, api):
+        self.engine_kw = self._engine_kwargs()  # the EngineArgs the real engine would get
         self.fake = FakeLLMEngine(self.model_info.vocab_size, self.step_s)
         return self.fake, int(self.config.max_model_len or self.model_info.max_position_embeddings)
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 from fake_vllm import FakeVLLMBackend, context, token_logprob
 from transformers import AutoModelForCausalLM
 
-from rlcli.backends.base import GenerateRequest
+from rlcli.backends.base import GenerateRequest, RolloutWorkload
 from rlcli.testing.engine_plugins import fake_expected
 from rlcli.types import SampleParams
 
@@ -350,3 +351,23 @@ def test_kernel_library_tables_leave_the_sleep_mode_pool(monkeypatch, tiny_qwen2
         assert imported[:2] == ["json", "no_such_kernel_library_xyz"]  # before the engine is built
     finally:
         be.shutdown()
+
+
+def test_auto_sizes_the_kv_cache_from_the_workload_and_a_share_goes_through(tiny_qwen2):
+    workload = RolloutWorkload(max_sequences=40, max_sequence_tokens=37)
+
+    def engine_kw(**options):
+        be = FakeVLLMBackend(FakeVLLMBackend.Config(**options), replace(context(tiny_qwen2), workload=workload))
+        be.shutdown()
+        return be.engine_kw
+
+    kw = engine_kw()
+    # tiny qwen2: 2 layers x 2 KV heads x 16 dims, K and V, float32; 37 tokens = 3 blocks of 16;
+    # +10 %, + vLLM's null block
+    per_token = 2 * 2 * 16 * 2 * 4
+    assert kw["kv_cache_memory_bytes"] == (120 + 12 + 1) * 16 * per_token
+    assert kw["gpu_memory_utilization"] == 0.01  # no device here: only vLLM's start-up check reads it
+    # max_batch_size bounds the sequences in flight; one max_model_len (512) sequence is the floor
+    assert engine_kw(max_batch_size=8)["kv_cache_memory_bytes"] == (33 + 4 + 1) * 16 * per_token
+    explicit = engine_kw(gpu_memory_utilization=0.3)
+    assert explicit["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in explicit

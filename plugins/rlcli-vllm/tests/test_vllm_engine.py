@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rlcli.testing import backend_conformance as bc
+from rlcli.testing.engine_plugins import check_quickstart_with_defaults
 from rlcli_vllm import VLLMBackend
 
 pytestmark = pytest.mark.gpu
@@ -53,3 +54,11 @@ def test_logprobs_match_the_forward_pass_where_the_mode_is_exact(dirs, mode):
 
 def test_sleep_releases_device_memory_and_wake_restores_outputs(dirs):
     bc.check_sleep_frees_device_memory(lambda d: make_backend(d, gpu_memory_utilization=0.3), dirs[0], min_fraction=0.5)
+
+
+def test_quickstart_trains_with_the_default_kv_cache_sized_from_the_recipe(tmp_path):
+    def kv_tokens(backend):  # vLLM's cache as the engine core set it up (in process: the same config)
+        cache = backend._engine.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+
+    check_quickstart_with_defaults("vllm", tmp_path / "work", kv_tokens)

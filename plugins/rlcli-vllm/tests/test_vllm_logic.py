@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rlcli_vllm.logic import (
     engine_kwargs,
     finish_reason,
     logprob_caveat,
+    memory_kwargs,
     request_problem,
     sampling_kwargs,
     token_logprobs,
@@ -200,3 +202,12 @@ def test_config_validation():
 
 
 _real_find_spec = importlib.util.find_spec
+
+
+def test_auto_share_is_what_the_weights_and_the_kv_cache_take_of_the_device():
+    kv = SimpleNamespace(nbytes=10 * 2**30)
+    mem = memory_kwargs(cfg(), kv, weight_bytes=2**30, device_bytes=140 * 2**30)
+    assert mem == {"gpu_memory_utilization": 0.08, "kv_cache_memory_bytes": 10 * 2**30}  # 11/140, rounded up
+    assert memory_kwargs(cfg()) == {"gpu_memory_utilization": 0.5}  # no workload to size from
+    assert memory_kwargs(cfg(gpu_memory_utilization=0.2), kv) == {"gpu_memory_utilization": 0.2}
+    assert check_engine_kwargs({"kv_cache_memory_bytes": 2**30})  # sized by the option, not engine_kwargs

@@ -36,6 +36,8 @@ the path plugins import from):
   line) and :func:`managed_kwarg_issues`.
 * ``model_info.py`` - :class:`ModelInfo` and :func:`read_model_info` (names and shapes from a
   meta-device instance of the model's config).
+* ``kv_budget.py`` - :func:`plan_kv_cache`, the KV cache a run's workload needs (the engine
+  plugins' ``auto`` memory option), :class:`KVBudget`, :class:`KVShape` and :func:`read_kv_shape`.
 * ``helpers.py`` - the pure helpers: :func:`validate_request`, :func:`stop_ids_for`,
   :func:`response_budget`, :func:`prepare_weight_update`, :func:`normalize_finish` and
   :class:`SeedSequence`.
@@ -66,6 +68,16 @@ from rlcli.backends.engine_runtime.helpers import (  # noqa: F401 - the private 
     stop_ids_for,
     validate_request,
 )
+from rlcli.backends.engine_runtime.kv_budget import (
+    AUTO_MAX_SHARE,
+    KV_MARGIN_PERCENT,
+    KVBudget,
+    KVShape,
+    MemoryShare,
+    memory_option,
+    plan_kv_cache,
+    read_kv_shape,
+)
 from rlcli.backends.engine_runtime.loop import EngineLoop
 from rlcli.backends.engine_runtime.model_info import ModelInfo, read_model_info
 from rlcli.backends.engine_runtime.package import EnginePackage, _version_tuple, managed_kwarg_issues  # noqa: F401
@@ -74,15 +86,23 @@ from rlcli.types import SampleParams  # noqa: F401 - importable from here before
 log = logging.getLogger(__name__)  # the logger the submodules log to
 
 __all__ = [
+    "AUTO_MAX_SHARE",
     "EngineBackend",
     "EngineLoop",
     "EnginePackage",
     "Job",
+    "KVBudget",
+    "KVShape",
+    "KV_MARGIN_PERCENT",
+    "MemoryShare",
     "ModelInfo",
     "SeedSequence",
     "managed_kwarg_issues",
+    "memory_option",
     "normalize_finish",
+    "plan_kv_cache",
     "prepare_weight_update",
+    "read_kv_shape",
     "read_model_info",
     "response_budget",
     "stop_ids_for",

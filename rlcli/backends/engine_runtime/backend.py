@@ -26,6 +26,7 @@ from rlcli.backends.engine_runtime.helpers import (
     stop_ids_for,
     validate_request,
 )
+from rlcli.backends.engine_runtime.kv_budget import KVBudget, plan_kv_cache, read_kv_shape
 from rlcli.backends.engine_runtime.loop import EngineLoop
 from rlcli.backends.engine_runtime.model_info import read_model_info
 from rlcli.backends.engine_runtime.package import EnginePackage, managed_kwarg_issues
@@ -107,6 +108,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
             raise ValueError(self.float32_refusal)
         self.model_info = read_model_info(ctx.model_dir)
         self.max_model_len: int | None = self._resolve_max_model_len()
+        self.kv_plan: KVBudget | None = None  # the KV cache sized from the workload (kv_budget), if any
         self._version = int(ctx.version)
         self._paused = False
         self._closed = False
@@ -155,6 +157,34 @@ class EngineBackend(InferenceBackend, abc.ABC):
     def _resolve_max_model_len(self) -> int | None:
         """Prompt + response tokens per sequence (before the engine starts; the engine may refine it)."""
         return getattr(self.config, "max_model_len", None) or self.model_info.max_position_embeddings
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's weights in the run's dtype (tied weights once)."""
+        return sum(math.prod(shape) for name, shape in self.model_info.shapes.items()
+                   if name not in self.model_info.aliases) * self.ctx.dtype.itemsize
+
+    def kv_budget(self, *, block_size: int, concurrency: int | None = None, reserved_blocks: int = 0,
+                  dtype_bytes: int | None = None) -> KVBudget | None:
+        """The KV cache the run's workload (``ctx.workload``) needs in this engine (see
+        :mod:`~rlcli.backends.engine_runtime.kv_budget`), logged; None when the workload is unknown.
+        ``concurrency``: the engine's limit on sequences decoded together, when set; ``dtype_bytes``:
+        of the KV cache (default: the model dtype's)."""
+        device = torch.device(self.ctx.device)
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
+        budget = plan_kv_cache(self.ctx.workload, read_kv_shape(self.ctx.model_dir),
+                               dtype_bytes=dtype_bytes or self.ctx.dtype.itemsize, block_size=block_size,
+                               max_model_len=self.max_model_len, concurrency=concurrency,
+                               reserved_blocks=reserved_blocks, free_bytes=free, weight_bytes=self.weight_bytes)
+        self.kv_plan = budget
+        if budget is None:
+            log.info("%s backend: the workload is unknown; the engine sizes its KV cache itself", self.engine.label)
+        elif budget.capped_blocks is not None:
+            log.warning("%s backend: KV cache of %s; set rollout.max_batch_size or a memory share to size it "
+                        "yourself", self.engine.label, budget.describe())
+        else:
+            log.info("%s backend: KV cache sized from the recipe: %s", self.engine.label, budget.describe())
+        return budget
 
     def _request_problem(self, params: SampleParams) -> str | None:
         """Engine-specific reasons to refuse a request's parameters (an ``error`` message)."""

@@ -1,0 +1,99 @@
+"""The workload a run asks of its inference backend (rlcli.runner.workload) and the KV cache the engine
+plugins size from it (rlcli.backends.engine_runtime.kv_budget)."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from rlcli.backends.base import RolloutWorkload
+from rlcli.backends.engine_runtime import KV_MARGIN_PERCENT, KVShape, plan_kv_cache, read_kv_shape
+from rlcli.config import load_recipe
+from rlcli.runner.workload import rollout_workload
+
+
+class Sampler:
+    """A prepared sampler as the workload reads it: its prompts' lengths and their number."""
+
+    def __init__(self, lengths):
+        self.lengths = lengths
+
+    def prompt_lengths(self):
+        return self.lengths
+
+    def __len__(self):
+        return len(self.lengths or [0] * 100)
+
+
+@pytest.fixture(scope="module")
+def quickstart(repo):
+    return load_recipe(repo / "recipes" / "quickstart.yaml")
+
+
+def test_the_runner_passes_the_recipe_workload_to_the_backend(quickstart, tmp_path):
+    from rlcli.runner.setup import Environment
+
+    env = Environment(quickstart, tmp_path)
+    samplers = dict(env.prepare_samplers(quickstart.tasks + quickstart.eval.tasks, trained=quickstart.tasks))
+    env.rollout_spec = SimpleNamespace(build=lambda ctx: ctx)  # the context the backend would get
+    ctx = env.build_backend()
+    longest = max(samplers["arith"].prompt_lengths() + samplers["arith_eval"].prompt_lengths())
+    # 100 groups of 8 (train) against 100 eval prompts of 1; the response is max_tokens=1 token
+    assert ctx.workload == RolloutWorkload(max_sequences=100 * 8, max_sequence_tokens=longest + 1)
+
+
+def test_workload_counts_over_sampling_shards_and_the_largest_eval_task(repo):
+    recipe = load_recipe(repo / "recipes" / "quickstart.yaml", [
+        "tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5}",
+        "tasks.0.agent_loop.sample_params.max_tokens=20"])
+    train, ev = recipe.tasks[0], recipe.eval.tasks[0]
+    prepared = [(train, Sampler([5, 9])), (ev, Sampler([7] * 90))]
+    # replica 1 of 3: 33 groups of the step's 100, +ceil(0.5 x 33) over-sampled, 8 samples each
+    w = rollout_workload(prepared, recipe.tasks, 100, recipe.eval.evaluator, (1, 3))
+    assert w == RolloutWorkload(max_sequences=(33 + 17) * 8, max_sequence_tokens=9 + 20)
+    # an eval task larger than a training step sets the number; eval alone (`rlcli eval`) too
+    big = [(train, Sampler([5])), (ev, Sampler([7] * 5000))]
+    assert rollout_workload(big, recipe.tasks, 100, None, (0, 1)).max_sequences == 5000
+    eval_cfg = recipe.eval.evaluator.model_copy(update={"sample_num": 300})
+    assert rollout_workload(big[1:], recipe.tasks, 100, eval_cfg, (0, 2)).max_sequences == 150
+    # a sampler that cannot tell its prompts' lengths (and sets no max_prompt_length): length unknown
+    unknown = rollout_workload([(train, Sampler(None))], recipe.tasks, 4, None, (0, 1))
+    assert unknown == RolloutWorkload((4 + 2) * 8, None)  # 4 groups + ceil(0.5 x 4) over-sampled
+    assert rollout_workload([], recipe.tasks, 100, None, (0, 1)) is None
+
+
+def test_kv_shape_reads_the_model_config_and_fills_in_head_dim(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 256}))
+    shape = read_kv_shape(tmp_path)
+    assert shape == KVShape(layers=3, kv_heads=8, head_dim=32)  # no kv heads: MHA; head_dim = 256 / 8
+    assert shape.bytes_per_token(2) == 2 * 3 * 8 * 32 * 2
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+        "hidden_size": 512}}))
+    assert read_kv_shape(tmp_path) == KVShape(layers=2, kv_heads=2, head_dim=128)
+
+
+def test_plan_sizes_for_the_sequences_in_flight_with_the_margin_and_a_floor():
+    shape = KVShape(layers=24, kv_heads=2, head_dim=64)  # the Qwen2.5-0.5B shape: 12 KiB per bf16 token
+    w = RolloutWorkload(max_sequences=512, max_sequence_tokens=300)
+    plan = plan_kv_cache(w, shape, dtype_bytes=2, block_size=16, max_model_len=32768, reserved_blocks=1)
+    assert KV_MARGIN_PERCENT == 10
+    blocks = 512 * 19 + math.ceil(512 * 19 / 10) + 1  # 300 tokens -> 19 blocks of 16; +10 %; +1 reserved
+    assert (plan.blocks, plan.tokens, plan.nbytes) == (blocks, blocks * 16, blocks * 16 * 12 * 1024)
+    # the engine's concurrency limit bounds the sequences; one max_model_len sequence is the floor
+    assert plan_kv_cache(w, shape, dtype_bytes=2, block_size=16, max_model_len=32768, concurrency=8).blocks == \
+        2049 + math.ceil(2049 / 10)
+    # no workload: the concurrency limit x max_model_len, else nothing to size from
+    assert plan_kv_cache(None, shape, dtype_bytes=2, block_size=64, max_model_len=640, concurrency=4).blocks == \
+        40 + 4
+    assert plan_kv_cache(None, shape, dtype_bytes=2, block_size=16, max_model_len=640) is None
+    # on a device: at most half of (free memory - weights); the engine queues the rest
+    free, weights = 10 * 2**30, 1 * 2**30
+    big = plan_kv_cache(RolloutWorkload(100_000, 4096), shape, dtype_bytes=2, block_size=16, max_model_len=4096,
+                        free_bytes=free, weight_bytes=weights)
+    assert big.blocks == (free - weights) // 2 // (16 * 12 * 1024) and big.capped_blocks > big.blocks
+    assert "more than 50% of the free device memory" in big.describe()
