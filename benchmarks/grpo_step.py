@@ -9,13 +9,19 @@ Work (the issue's reference workload): a random-init Qwen2.5-0.5B-shaped model (
 hidden 896, 14/2 heads, vocab 151,936, tied embeddings) in bf16 with an offline word-level
 tokenizer; 64 prompts of 64 tokens × 8 samples × 256 new tokens (forced: EOS ignored), one
 optimizer step per batch, lr 1e-6, reward = response length mod 7 (as the TRL baseline).
+`--shape 1.5b|3b|7b` builds another Qwen2.5 shape (SHAPES; 7b adds SHAPE_PRESETS' CPU offload to
+the rlcli runs); `--lengths longtail` turns EOS on, with geometric response lengths of mean 256 cut
+at 1024 (benchmarks/lengths.py: many end ids in the model's generation_config.json). The sweep
+over shapes, lengths and frameworks is benchmarks/step_sweep.py (one process of this script per run).
 
 Sections:
   --ceilings  bf16 matmul TFLOP/s and device copy TB/s (the roofline the MFU is relative to)
-  --engine    embedded engine alone: 512 sequences × 256 new tokens, generated tok/s
+  --engine    embedded engine alone: 512 sequences × 256 new tokens, generated tok/s (longtail: the
+              measured lengths against the truncated geometric mean)
   --rlcli     `ColocateRunner` steps: median and min-max step time, split rollout / train / sync,
               generated tok/s, training MFU (6·N·T FLOPs, T the tokens the model runs on), weight sync s/GB, peak GPU memory
-  --trl       TRL GRPOTrainer (transformers generate) on the same work, step times, peak memory
+  --trl       TRL GRPOTrainer (transformers generate) on the same work, step times split into
+              rollout / sync / the rest, generated tok/s, MFU of the rest, peak memory
   --trl-vllm  TRL GRPOTrainer with vLLM in colocate mode (grpo_trl.TRL_VLLM settings), same work;
               --trl-vllm-variant NAME:KEY=VALUE,... adds a run with other GRPOConfig settings
 Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
@@ -442,6 +448,8 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
         return out
 
     runner.log = log
+    # the parameters the optimizer trains (all of them; with model.lora, the adapters alone)
+    trainable = sum(p.numel() for p in runner.worker.model.parameters() if p.requires_grad)
     try:
         runner.fit()
     finally:
@@ -470,7 +478,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
 
     result(what="rlcli", backend=rec.rollout.name, label=label, preset=preset, overrides=list(overrides or []),
            steps_measured=len(measured), response_lengths=lengths.length_stats(
-               [n for w, _ in kept for n in w], max_new()), trained_tokens=tokens,
+               [n for w, _ in kept for n in w], max_new()), trained_tokens=tokens, trainable_params=trainable,
            step_s_median=round(statistics.median(step_s), 3), step_s_min=round(min(step_s), 3),
            step_s_max=round(max(step_s), 3), rollout_s=round(statistics.median(roll), 3),
            train_s=round(statistics.median(train), 3), sync_s=round(statistics.median(sync), 4),

@@ -250,6 +250,8 @@ def table(records: list[dict]) -> str:
         if r.get("device_used_gib") is not None:
             peak = f"{peak} (device {r['device_used_gib']})"
         note = "vLLM " + ", ".join(f"{k}={v}" for k, v in (r.get("settings") or {}).items()) if "vllm" in r else ""
+        if r.get("trainable_params"):
+            note = f"trains {r['trainable_params'] / 1e6:.1f}M parameters"
         lines.append(head + f"| {r['step_s_median']} ({r['step_s_min']}-{r['step_s_max']}) | {r.get('rollout_s')} | "
                      f"{r.get('train_s')} | {r.get('sync_s')} | {r.get('gen_tok_per_s')} | {r.get('train_mfu')} | "
                      f"{peak} | {lens} | {note.replace('|', '/')} |")
