@@ -152,6 +152,11 @@ def print_plan(runs: list[Run], budget: float) -> None:
     for run in runs:
         print(f"| {run.id} | {run.row} | {settings(run.extra)} | {run.steps} | {estimate_s(run)} |")
     print(f"\nHEADLINE (every rlcli run): {' '.join(HEADLINE)}\nASYNC: {' '.join(ASYNC)}\n")
+    for run in runs:
+        if any("cpu_offload=true" in kv for kv in run.extra):
+            print(f"{run.id}: parameters, gradients and AdamW moments in CPU memory, about "
+                  f"{16 * n_params(run.shape) / 1e9:.0f} GB of the host's RAM (the 1-GPU machine has 128 GiB)")
+    print()
     for i, call in enumerate(pack_calls(runs, budget), 1):
         est = sum(estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
         flag = "  (over the budget: run it alone, or with fewer --steps)" if est > budget else ""
