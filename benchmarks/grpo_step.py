@@ -9,13 +9,19 @@ Work (the issue's reference workload): a random-init Qwen2.5-0.5B-shaped model (
 hidden 896, 14/2 heads, vocab 151,936, tied embeddings) in bf16 with an offline word-level
 tokenizer; 64 prompts of 64 tokens × 8 samples × 256 new tokens (forced: EOS ignored), one
 optimizer step per batch, lr 1e-6, reward = response length mod 7 (as the TRL baseline).
+`--shape 1.5b|3b|7b` builds another Qwen2.5 shape (SHAPES; 7b adds SHAPE_PRESETS' CPU offload to
+the rlcli runs); `--lengths longtail` turns EOS on, with geometric response lengths of mean 256 cut
+at 1024 (benchmarks/lengths.py: many end ids in the model's generation_config.json). The sweep
+over shapes, lengths and frameworks is benchmarks/step_sweep.py (one process of this script per run).
 
 Sections:
   --ceilings  bf16 matmul TFLOP/s and device copy TB/s (the roofline the MFU is relative to)
-  --engine    embedded engine alone: 512 sequences × 256 new tokens, generated tok/s
+  --engine    embedded engine alone: 512 sequences × 256 new tokens, generated tok/s (longtail: the
+              measured lengths against the truncated geometric mean)
   --rlcli     `ColocateRunner` steps: median and min-max step time, split rollout / train / sync,
               generated tok/s, training MFU (6·N·T FLOPs, T the tokens the model runs on), weight sync s/GB, peak GPU memory
-  --trl       TRL GRPOTrainer (transformers generate) on the same work, step times, peak memory
+  --trl       TRL GRPOTrainer (transformers generate) on the same work, step times split into
+              rollout / sync / the rest, generated tok/s, MFU of the rest, peak memory
   --trl-vllm  TRL GRPOTrainer with vLLM in colocate mode (grpo_trl.TRL_VLLM settings), same work;
               --trl-vllm-variant NAME:KEY=VALUE,... adds a run with other GRPOConfig settings
 Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
@@ -45,13 +51,29 @@ sys.path[:0] = [str(REPO), str(HERE)]
 
 import bench_plugin  # noqa: E402  (the benchmark judger, a plugin module)
 
-SHAPES = {  # random-init Qwen2.5 shapes; "tiny" is the CPU smoke-test model of --tiny
-    "0.5b": dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864),
-    "1.5b": dict(vocab=151936, layers=28, hidden=1536, heads=12, kv=2, inter=8960),
-    "tiny": dict(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128),
+# Random-init Qwen2.5 shapes (--shape); "tiny" is the CPU smoke-test model of --tiny. The numbers are
+# those of the published config.json files (vocab_size, num_hidden_layers, hidden_size,
+# num_attention_heads / num_key_value_heads, intermediate_size, tie_word_embeddings), checked against
+# copies of Qwen/Qwen2.5-3B's (huggingface.co/unsloth/Qwen2.5-3B/blob/main/config.json, whose
+# _name_or_path is Qwen/Qwen2.5-3B) and Qwen/Qwen2.5-7B's (a fine-tune's config.json with _name_or_path
+# Qwen/Qwen2.5-7B, huggingface.co/AmberYifan/Qwen2.5-7B-gen-dpo-10k; Qwen2.5-7B-Instruct's has the same
+# shape numbers), and against the Qwen2.5 size presets of a public training library (3B: 2048, 11008,
+# 16/2 heads, 36 layers, tied; 7B: 3584, 18944, 28/4, 28 layers, untied).
+SHAPES = {
+    "0.5b": dict(vocab=151936, layers=24, hidden=896, heads=14, kv=2, inter=4864, tied=True),
+    "1.5b": dict(vocab=151936, layers=28, hidden=1536, heads=12, kv=2, inter=8960, tied=True),
+    "3b": dict(vocab=151936, layers=36, hidden=2048, heads=16, kv=2, inter=11008, tied=True),
+    "7b": dict(vocab=152064, layers=28, hidden=3584, heads=28, kv=4, inter=18944, tied=False),
+    "tiny": dict(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128, tied=True),
 }
-SHAPE = dict(SHAPES["0.5b"])  # the shape the model is built with (the issue's workload)
+# rlcli recipe overrides a shape needs on one H200, applied before --set (and stated in each result):
+# 7B's float32 master weights, gradients and AdamW moments (16 bytes a parameter, 122 GB) do not fit
+# beside the engine, so they live in CPU memory (FSDP2's CPUOffloadPolicy; the optimizer steps there).
+SHAPE_PRESETS: dict[str, list[str]] = {"7b": ["train_worker.fsdp.cpu_offload=true"]}
+SHAPE_NAME = "0.5b"
+SHAPE = dict(SHAPES[SHAPE_NAME])  # the shape the model is built with (the issue's workload)
 PROMPTS, K, NEW, PROMPT_LEN = 64, 8, 256, 64
+LENGTHS = "full"  # --lengths: full (NEW tokens, EOS ignored) or longtail (lengths.py)
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 RESULTS: list[dict] = []
@@ -59,6 +81,7 @@ PROFILE_DIR: Path | None = None  # --profile: torch.profiler tables are written 
 PROFILE_WHAT = "all"  # or "train": only the train step is profiled
 ENGINE_PLUGINS: list = []  # --engine-plugin: plugin modules registered for the rlcli runs (not pip-installed here)
 MEMORY_DIR: Path | None = None  # --memory: a train step's peak and what it leaves allocated, by allocation stack
+PEAK_TFLOPS = 787.0  # the bf16 matmul ceiling MFU is relative to (measured by --ceilings when it runs)
 
 
 def _where(frames: list[dict]) -> str:
@@ -169,6 +192,7 @@ def profiled(name: str):
 
 
 def result(**kw) -> dict:
+    kw = {"shape": SHAPE_NAME, "lengths": LENGTHS, **kw}
     RESULTS.append(kw)
     print("RESULT " + json.dumps(kw), flush=True)
     return kw
@@ -195,11 +219,49 @@ def make_model_dir(d: Path) -> Path:
     cfg_file.write_text(json.dumps(tcfg))
     cfg = Qwen2Config(vocab_size=v, hidden_size=SHAPE["hidden"], num_hidden_layers=SHAPE["layers"],
                       num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"],
-                      intermediate_size=SHAPE["inter"], max_position_embeddings=4096, tie_word_embeddings=True,
+                      intermediate_size=SHAPE["inter"], max_position_embeddings=4096,
+                      tie_word_embeddings=SHAPE.get("tied", True),
                       eos_token_id=v - 1, pad_token_id=v - 2, bos_token_id=None)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=DTYPE).save_pretrained(str(d))
     return d
+
+
+def prepare_model(root: Path, cache: Path | None) -> Path:
+    """The model directory of this run's shape and lengths: built under ``root``, or reused from
+    (else built into) ``cache/<shape>`` when a cache is given; ``longtail`` adds a directory that
+    links to those files and has its own ``generation_config.json`` (lengths.py)."""
+    import lengths
+
+    key = f"{SHAPE_NAME}-v{SHAPE['vocab']}-h{SHAPE['hidden']}-l{SHAPE['layers']}"  # --tiny has its own
+    base = (cache or root) / (key if cache else "model")
+    if not (base / "model.safetensors.index.json").exists() and not (base / "model.safetensors").exists():
+        tmp = base.with_name(base.name + ".partial")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        make_model_dir(tmp)
+        tmp.rename(base)  # a build cut short is never taken for a model
+    if LENGTHS == "full":
+        return base
+    return lengths.longtail_model_dir(base, base.with_name(base.name + "-longtail"), SHAPE["vocab"], SHAPE["vocab"] - 2)
+
+
+def sample_params() -> dict:
+    """The single-turn loop's sample params of the work (--lengths)."""
+    import lengths
+
+    if LENGTHS == "longtail":
+        return {"max_tokens": lengths.MAX_NEW, "min_tokens": 0, "ignore_eos": False, "temperature": 1.0}
+    return {"max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}
+
+
+def max_new() -> int:
+    import lengths
+
+    return lengths.MAX_NEW if LENGTHS == "longtail" else NEW
 
 
 def write_prompts(path: Path, n: int, seed: int = 1) -> Path:
@@ -243,23 +305,30 @@ def engine(model_dir: Path, overrides: list[str] | None = None, label: str = "em
     from rlcli.backends.embedded import EmbeddedBackend
     from rlcli.types import SampleParams
 
+    import lengths
+    from rlcli.tokenizer import eos_token_ids, load_tokenizer
+
+    eos = eos_token_ids(load_tokenizer(str(model_dir)), model_dir)  # as a run reads them (longtail: the list)
     ctx = BackendContext(model_dir=str(model_dir), device=torch.device(DEVICE), dtype=DTYPE,
-                         eos_token_ids=[SHAPE["vocab"] - 1], seed=0)
+                         eos_token_ids=eos, seed=0)
     from rlcli.overrides import apply_overrides
 
-    conf = apply_overrides({"max_batch_size": 512, "max_model_len": 512}, list(overrides or []))
+    conf = apply_overrides({"max_batch_size": 512, "max_model_len": PROMPT_LEN + max_new()}, list(overrides or []))
     t0 = time.perf_counter()
     be = EmbeddedBackend(EmbeddedBackend.Config(**conf), ctx)
-    params = SampleParams(max_tokens=NEW, min_tokens=NEW, ignore_eos=True, temperature=1.0)
+    params = SampleParams(**sample_params())
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, SHAPE["vocab"] - 3, (PROMPT_LEN,), generator=g).tolist() for _ in range(512 // K)]
+    made: list[list[int]] = []  # response lengths of every call
 
     async def once() -> float:
         t = time.perf_counter()
-        reqs = [GenerateRequest(prompt_ids=p, params=params, seed=i * K + j) for i, p in enumerate(prompts) for j in range(K)]
+        reqs = [GenerateRequest(prompt_ids=p, params=params, seed=len(made) * 512 + i * K + j)
+                for i, p in enumerate(prompts) for j in range(K)]
         outs = await asyncio.gather(*(be.generate(r) for r in reqs))
         dt = time.perf_counter() - t
-        assert all(len(o.token_ids) == NEW for o in outs)
+        made.append([len(o.token_ids) for o in outs])
+        assert LENGTHS == "longtail" or all(n == NEW for n in made[-1])
         return dt
 
     loop = asyncio.new_event_loop()
@@ -284,10 +353,19 @@ def engine(model_dir: Path, overrides: list[str] | None = None, label: str = "em
     direct_s = min(direct() for _ in range(2))
     with profiled(f"engine-direct-{label}"):
         direct()
+    tokens = [sum(m) for m in made]  # generated tokens of each timed call (varies with longtail)
+    best = min(range(1, len(times)), key=lambda i: times[i])
+    extra = {}
+    if LENGTHS == "longtail":  # the measured lengths against the truncated geometric distribution
+        p = lengths.stop_probability(SHAPE["vocab"])
+        extra = dict(response_lengths=lengths.length_stats([n for m in made for n in m], lengths.MAX_NEW),
+                     expected_mean=round(lengths.truncated_geometric_mean(p, lengths.MAX_NEW), 1),
+                     stop_p=round(p, 6), eos_ids=len(lengths.eos_ids(SHAPE["vocab"])))
     result(what="engine", engine="embedded", label=label, overrides=list(overrides or []),
-           startup_and_first_s=round(first_s, 1), sequences=512, new_tokens=NEW, seconds=[round(t, 3) for t in times],
-           tok_per_s=round(512 * NEW / min(times[1:]), 0), direct_s=round(direct_s, 3),
-           direct_tok_per_s=round(512 * NEW / direct_s, 0), peak_gib=peak_gib())
+           startup_and_first_s=round(first_s, 1), sequences=512, new_tokens=max_new(),
+           seconds=[round(t, 3) for t in times], tok_per_s=round(tokens[best] / times[best], 0),
+           direct_s=round(direct_s, 3), direct_tok_per_s=round(512 * NEW / direct_s, 0) if LENGTHS == "full" else None,
+           peak_gib=peak_gib(), **extra)
     be.shutdown()
     loop.close()
     if DEVICE == "cuda":
@@ -299,20 +377,20 @@ def peak_gib() -> float | None:
 
 
 def bench_recipe(model_dir: Path, data: Path, work: Path, steps: int, rollout: dict | None = None) -> dict:
-    """The benchmark's recipe tree: colocated GRPO on the prompts of ``data``, ``K`` forced
-    full-length responses each, one optimizer step per batch, the ``bench_len_mod7`` judger; the
-    embedded engine unless ``rollout`` is given."""
+    """The benchmark's recipe tree: colocated GRPO on the prompts of ``data``, ``K`` responses each
+    (forced full-length, or long-tailed: --lengths), one optimizer step per batch, the
+    ``bench_len_mod7`` judger; the embedded engine unless ``rollout`` is given."""
     return {
         "model": {"path": str(model_dir), "dtype": "bfloat16" if DEVICE == "cuda" else "float32"},
         "trainer": {"total_train_steps": steps, "train_batch_size": PROMPTS, "enable_evaluate": False,
                     "hf_interval": -1, "checkpoint_interval": -1, "work_dir": str(work), "log_every": 1},
         "resources": {"device": DEVICE},
-        "rollout": rollout or {"name": "embedded", "max_batch_size": PROMPTS * K, "max_model_len": 512},
+        "rollout": rollout or {"name": "embedded", "max_batch_size": PROMPTS * K,
+                               "max_model_len": max(512, PROMPT_LEN + max_new())},
         "train_worker": {"optimizer": {"lr": 1e-6}, "optimizer_steps": 1, "pack_max_length": 16384,
                          "max_grad_norm": 1.0},
         "tasks": [{"task_name": "bench", "sampler": {"name": "jsonl", "path": str(data), "prompt_repeat_k": K},
-                   "agent_loop": {"name": "single_turn", "sample_params": {
-                       "max_tokens": NEW, "min_tokens": NEW, "ignore_eos": True, "temperature": 1.0}},
+                   "agent_loop": {"name": "single_turn", "sample_params": sample_params()},
                    "judger": {"name": "bench_len_mod7", "executor": "inline"}}],
     }
 
@@ -324,8 +402,9 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
 
+    preset = SHAPE_PRESETS.get(SHAPE_NAME, [])
     raw = bench_recipe(model_dir, data, work, steps)
-    raw = apply_overrides(raw, list(overrides or []))
+    raw = apply_overrides(raw, preset + list(overrides or []))
     rec = validate_recipe(raw, registry=registry_with(bench_plugin, *ENGINE_PLUGINS))
     if MEMORY_DIR is not None:  # from before the model is built: the trace holds every live block
         torch.cuda.memory._record_memory_history(max_entries=3_000_000)
@@ -354,9 +433,12 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
 
     step_prof = []
 
+    work_of_step = []  # (response lengths, tokens the trainer runs on) of each step's trained groups
+
     def log(step, metrics, groups=None):
         out = orig_log(step, metrics, groups)
         rows.append(out)
+        work_of_step.append(trained_work(groups or [], rec.train_worker.share_prompts))
         if label == "embedded" and PROFILE_DIR is not None:  # --profile: the whole of step 3
             if step == 2:
                 step_prof.append(profiled("step"))
@@ -366,6 +448,8 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
         return out
 
     runner.log = log
+    # the parameters the optimizer trains (all of them; with model.lora, the adapters alone)
+    trainable = sum(p.numel() for p in runner.worker.model.parameters() if p.requires_grad)
     try:
         runner.fit()
     finally:
@@ -380,18 +464,25 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
     roll = [r["timing/rollout_s"] for r in measured]
     train = [r["timing/train_s"] for r in measured]
     sync = [r["timing/sync_s"] for r in measured]
-    # the tokens the model is run on: with share_prompts each prompt once for its K responses
-    tokens = PROMPTS * (PROMPT_LEN + K * NEW) if rec.train_worker.share_prompts else PROMPTS * K * (PROMPT_LEN + NEW)
+    kept = [w for w, r in zip(work_of_step, rows) if any(r is m for m in measured)]
+    # the tokens the model is run on (with share_prompts each prompt once for its K responses), per step
+    tokens = statistics.median(t for _, t in kept)
     flops = 6 * n_params(model_dir) * tokens
+    # generated tokens per second of rollout: the engine's new tokens of the step (with async, those of
+    # responses left in flight or continued included)
+    gen = statistics.median(r.get("rollout/tokens", PROMPTS * K * NEW) / r["timing/rollout_s"] for r in measured)
     gb = measured[-1].get("sync/bytes", 0) / 1e9
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    result(what="rlcli", backend=rec.rollout.name, label=label, overrides=list(overrides or []),
-           steps_measured=len(measured),
+    import lengths
+
+    result(what="rlcli", backend=rec.rollout.name, label=label, preset=preset, overrides=list(overrides or []),
+           steps_measured=len(measured), response_lengths=lengths.length_stats(
+               [n for w, _ in kept for n in w], max_new()), trained_tokens=tokens, trainable_params=trainable,
            step_s_median=round(statistics.median(step_s), 3), step_s_min=round(min(step_s), 3),
            step_s_max=round(max(step_s), 3), rollout_s=round(statistics.median(roll), 3),
            train_s=round(statistics.median(train), 3), sync_s=round(statistics.median(sync), 4),
-           gen_tok_per_s=round(PROMPTS * K * NEW / statistics.median(roll), 0),
+           gen_tok_per_s=round(gen, 0),
            train_mfu=round(flops / statistics.median(train) / (peak_tflops * 1e12), 3),
            sync_s_per_gb=round(statistics.median(sync) / gb, 4) if gb else None,
            peak_gib=max((r.get(k, 0.0) for r in measured for k in ("memory/rollout_peak_gib", "memory/train_peak_gib")),
@@ -409,13 +500,49 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
                       "measured": any(r is m for m in measured)} for i, r in enumerate(rows, 1)])
 
 
+def trained_work(groups, share_prompts: bool) -> tuple[list[int], int]:
+    """The response lengths of the completed samples of ``groups`` and the tokens the trainer runs
+    on for them (each prompt once per group with ``share_prompts``, else once per sample)."""
+    lens, tokens = [], 0
+    for g in groups:
+        done = [s for s in g.samples if s.response_ids]
+        lens += [len(s.response_ids) for s in done]
+        prompt = len(done[0].prompt_ids) if done else 0
+        tokens += sum(len(s.response_ids) for s in done) + prompt * (min(1, len(done)) if share_prompts else len(done))
+    return lens, tokens
+
+
 def trl_row(model_dir: Path, steps: int, vllm: dict | None = None, label: str = "") -> None:
     """One TRL row (grpo_trl.py) on this benchmark's work."""
     import grpo_trl
+    import lengths
 
-    work = dict(vocab=SHAPE["vocab"], prompts=PROMPTS, k=K, new=NEW, prompt_len=PROMPT_LEN, device=DEVICE, dtype=DTYPE)
+    work = dict(vocab=SHAPE["vocab"], prompts=PROMPTS, k=K, new=max_new(), prompt_len=PROMPT_LEN, device=DEVICE,
+                dtype=DTYPE, lengths=LENGTHS)
     row = grpo_trl.trl_steps(model_dir, steps, work, vllm)
+    row["response_lengths"] = lengths.length_stats(row.pop("completion_lengths"), max_new())
+    if row["train_s"] > 0:  # 6·N·T over the step's non-rollout, non-sync time (TRL's whole training side)
+        row["train_mfu"] = round(6 * n_params(model_dir) * row["trained_tokens"] / row["train_s"] / (PEAK_TFLOPS * 1e12), 3)
     result(what="trl-vllm" if vllm is not None else "trl", label=label, **row)
+
+
+def versions() -> dict:
+    """trl, vllm (when installed) and the rlcli commit of this checkout (``git describe``)."""
+    import importlib.metadata
+    import subprocess
+
+    out = {}
+    for name in ("trl", "vllm"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    try:
+        out["rlcli_commit"] = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+                                             capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["rlcli_commit"] = None
+    return out
 
 
 def write_outputs(out: Path) -> None:
@@ -424,7 +551,8 @@ def write_outputs(out: Path) -> None:
 
     gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (smoke test)"
     env = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
-           "transformers": transformers.__version__}
+           "transformers": transformers.__version__, **versions(), "shape": SHAPE_NAME, "lengths": LENGTHS,
+           "tiny": DEVICE == "cpu"}
     (out / "results.json").write_text(json.dumps({"env": env, "results": RESULTS}, indent=2))
     by = {r["what"]: r for r in reversed(RESULTS) if "error" not in r}  # first result of each kind
     variants = [r for r in RESULTS if r.get("what") == "rlcli" and "error" not in r]
@@ -438,7 +566,8 @@ def write_outputs(out: Path) -> None:
     for r in RESULTS:
         if r.get("what") in ("trl", "trl-vllm") and "error" not in r:
             name = f"TRL {r['version']}" + (f" + vLLM {r['vllm']} colocate ({r['label'] or 'default'})" if "vllm" in r else "")
-            lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | - | - | - | - | - | {r['peak_gib']} |")
+            lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
+                         f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r.get('train_mfu')} | {r['peak_gib']} |")
     (out / "table.md").write_text("\n".join(lines) + "\n")
     if "rlcli" in by:
         import matplotlib
@@ -468,6 +597,14 @@ def main() -> None:
                     help="one more TRL + vLLM colocate run with these GRPOConfig settings, e.g. "
                     "nosleep:vllm_enable_sleep_mode=false,vllm_gpu_memory_utilization=0.5 (repeatable)")
     ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up)")
+    ap.add_argument("--shape", default="0.5b", choices=[k for k in SHAPES if k != "tiny"],
+                    help="random-init Qwen2.5 shape of the model (with --tiny: the tiny model, this shape's presets)")
+    ap.add_argument("--lengths", default="full", choices=["full", "longtail"],
+                    help="full: 256 new tokens, EOS ignored; longtail: EOS on, geometric lengths of mean 256 cut at "
+                    "1024 (benchmarks/lengths.py)")
+    ap.add_argument("--model-cache", type=Path, metavar="DIR",
+                    help="keep the random-init model of a shape in DIR/<shape...> and reuse it (default: a temp dir)")
+    ap.add_argument("--label", default="embedded", help="label of the --rlcli run (its row in the table)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -486,16 +623,18 @@ def main() -> None:
                     help="record allocation stacks (slows the steps) and write, for the third train step of each rlcli "
                     "run, what was allocated at its peak and what it leaves allocated (memory-train-<label>.txt, into --out)")
     args = ap.parse_args()
-    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR, MEMORY_DIR
+    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR, MEMORY_DIR, SHAPE_NAME, LENGTHS, PEAK_TFLOPS
+    SHAPE_NAME, LENGTHS = args.shape, args.lengths
+    SHAPE.clear()
+    SHAPE.update(SHAPES["tiny" if args.tiny else args.shape])
     if args.tiny:
-        SHAPE.update(SHAPES["tiny"])
         DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
         args.ceilings = False
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     if args.all:
         args.ceilings = args.engine = args.rlcli = args.trl = args.trl_vllm = True
     root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    model_dir = make_model_dir(root / "model")
+    model_dir = prepare_model(root, args.model_cache)
     data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
     for name in args.engine_plugin:
         import importlib
@@ -510,9 +649,9 @@ def main() -> None:
         MEMORY_DIR = args.out or (root / "memory")
     global PROFILE_WHAT
     PROFILE_WHAT = args.profile or "all"
-    peak = 787.0
+    peak = PEAK_TFLOPS
     sections = [("ceilings", lambda: ceilings()), ("engine", lambda: engine(model_dir)),
-                ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, peak, args.set))]
+                ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, peak, args.set, args.label))]
     for spec in args.engine_variant:
         label, _, sets = spec.partition(":")
         extra = [kv for kv in sets.split(",") if kv]
@@ -537,7 +676,7 @@ def main() -> None:
             t = time.perf_counter()
             value = fn()
             if name == "ceilings":
-                peak = value
+                peak = PEAK_TFLOPS = value
             print(f"[{name}] done in {time.perf_counter() - t:.1f}s", flush=True)
         except Exception:
             result(what=name, error=traceback.format_exc()[-2000:])

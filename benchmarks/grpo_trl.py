@@ -2,7 +2,12 @@
 generate or with vLLM in colocate mode (the set-up a TRL user who cares about speed picks).
 
 Both rows get the same work as rlcli's: ``prompts`` prompts of ``prompt_len`` words × ``k``
-samples × ``new`` tokens, one optimizer step per batch, lr 1e-6, no KL, the length-mod-7 reward.
+samples × ``new`` tokens (``full``: EOS ignored in the vLLM row; ``longtail``: EOS on, ``new`` the
+cut, the model directory's ``generation_config.json`` holding the end ids, see lengths.py), one
+optimizer step per batch, lr 1e-6, no KL, the length-mod-7 reward. Each step is split into rollout
+(``_generate_single_turn``: generation, with vLLM its wake-up and sleep), weight sync (vLLM's
+``sync_weights``) and the rest (train: scoring, logprobs, loss, optimizer), timed with the device
+synchronised at each boundary.
 A vLLM row takes its GRPOConfig settings from ``TRL_VLLM`` updated by the variant's own
 (``--trl-vllm-variant NAME:KEY=VALUE,...`` in grpo_step.py), so every setting a run used is stated
 in its result.
@@ -36,9 +41,9 @@ def trl_config_kwargs(work: dict, steps: int, vllm: dict | None) -> dict:
               report_to="none", save_strategy="no", temperature=1.0, beta=0.0, use_vllm=False,
               gradient_checkpointing=False)
     if vllm is not None:
-        kw.update(TRL_VLLM, vllm_max_model_length=work["prompt_len"] + work["new"],
-                  # full-length responses, as rlcli's benchmark recipe forces them
-                  generation_kwargs={"ignore_eos": True})
+        kw.update(TRL_VLLM, vllm_max_model_length=work["prompt_len"] + work["new"])
+        if work.get("lengths", "full") == "full":  # full-length responses, as rlcli's benchmark recipe forces them
+            kw["generation_kwargs"] = {"ignore_eos": True}
         kw.update(vllm)
     return kw
 
@@ -56,33 +61,68 @@ def trl_steps(model_dir: Path, steps: int, work: dict, vllm: dict | None = None)
     prompts = [" ".join(f"w{int(i)}" for i in torch.randint(0, work["vocab"] - 3, (work["prompt_len"],), generator=g))
                for _ in range(work["prompts"] * (steps + 2))]
     times: list[float] = []
+    phases: dict[str, float] = {"rollout": 0.0, "sync": 0.0}  # seconds of the step in progress
+    split: list[dict] = []  # per step: rollout, sync seconds
+    made: list[list[int]] = [[]]  # completion lengths (tokens) of each step
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    def timed(name: str, fn):
+        def run(*a, **kw):
+            sync()
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                sync()
+                phases[name] += time.perf_counter() - t
+        return run
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
+            sync()
             self.t = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
+            sync()
             times.append(time.perf_counter() - self.t)
+            split.append({"rollout_s": phases["rollout"] - phases["sync"], "sync_s": phases["sync"]})
+            phases.update(rollout=0.0, sync=0.0)
+            made.append([])
+
+    def reward(completions, completion_ids=None, **kw):
+        made[-1].extend(len(c) for c in completion_ids or [])
+        return [float(len(c) % 7) for c in completions]
 
     settings = trl_config_kwargs(work, steps, vllm)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=work["dtype"])
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c) % 7) for c in completions],
-                          args=GRPOConfig(**settings), train_dataset=Dataset.from_dict({"prompt": prompts}),
-                          processing_class=tok)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(**settings),
+                          train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
     startup = time.perf_counter() - t0
     trainer.add_callback(Timer())
+    trainer._generate_single_turn = timed("rollout", trainer._generate_single_turn)
+    if getattr(trainer, "vllm_generation", None) is not None:
+        trainer.vllm_generation.sync_weights = timed("sync", trainer.vllm_generation.sync_weights)
     trainer.train()
     measured = times[1:]
+    med = statistics.median
+    rollout = med(x["rollout_s"] for x in split[1:])
+    sync_s = med(x["sync_s"] for x in split[1:])
+    lens = [n for m in made[1:len(times)] for n in m]
+    # the tokens the model runs on per step: each sample's prompt and completion (no prompt sharing)
+    tokens = med(work["prompts"] * work["k"] * work["prompt_len"] + sum(m) for m in made[1:len(times)])
     row = dict(version=__import__("trl").__version__, steps_measured=len(measured),
-               step_s_median=round(statistics.median(measured), 3), step_s_min=round(min(measured), 3),
+               step_s_median=round(med(measured), 3), step_s_min=round(min(measured), 3),
                step_s_max=round(max(measured), 3), startup_s=round(startup, 1),
+               rollout_s=round(rollout, 3), sync_s=round(sync_s, 4),
+               train_s=round(med(t - x["rollout_s"] - x["sync_s"] for t, x in zip(measured, split[1:])), 3),
+               gen_tok_per_s=round(med(sum(m) / x["rollout_s"] for m, x in zip(made[1:len(times)], split[1:])), 0),
+               completion_lengths=lens, trained_tokens=tokens,
                peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
     if vllm is not None:
         row["settings"] = {k: v for k, v in settings.items() if k.startswith("vllm_") or k == "generation_kwargs"}

@@ -1,0 +1,76 @@
+"""benchmarks/step_sweep.py and benchmarks/lengths.py without a GPU: the plan, the calls, the merged table."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import lengths  # noqa: E402
+import step_sweep as sw  # noqa: E402
+
+
+def test_long_tail_end_ids_and_mean():
+    ids = lengths.eos_ids(151936)
+    assert len(ids) == round(151936 / 256) == len(set(ids))
+    assert 151935 in ids and not {151934, 151933} & set(ids)  # <eos> in, <pad> and <unk> out
+    assert lengths.truncated_geometric_mean(1 / 256, 1024) == (1 - (255 / 256) ** 1024) * 256
+    assert math.isclose(lengths.truncated_geometric_mean(1 / 256, 1024), 251.3, abs_tol=0.05)
+    st = lengths.length_stats([1, 2, 3, 1024], 1024)
+    assert (st["mean"], st["p50"], st["max"], st["cut_frac"]) == (257.5, 3, 1024, 0.25)
+
+
+def test_plan_covers_every_shape_and_length():
+    runs = sw.plan_runs()
+    ids = [r.id for r in runs]
+    assert len(ids) == len(set(ids))
+    for shape in sw.SHAPE_ORDER:
+        for ln in ("full", "longtail"):
+            assert {f"{shape}-{ln}-rlcli", f"{shape}-{ln}-trl-vllm"} <= set(ids)
+        assert f"{shape}-longtail-rlcli-async" in ids and f"{shape}-full-rlcli-async" not in ids
+    by = {r.id: r for r in runs}
+    assert "train_worker.fsdp.cpu_offload=true" in by["7b-full-rlcli"].extra
+    assert "model.lora.r=16" in by["0.5b-full-rlcli-lora"].args
+    assert "train_worker.kl.ref_offload=true" in by["0.5b-full-rlcli-kl-refoffload"].args
+    assert [r.id for r in sw.select(runs, "7b-*-trl-vllm")] == ["7b-full-trl-vllm", "7b-longtail-trl-vllm"]
+
+
+def test_calls_keep_to_the_budget():
+    runs = sw.plan_runs()
+    calls = sw.pack_calls(runs, 540)
+    assert [r.id for c in calls for r in c] == [r.id for r in runs]
+    for call in calls:
+        est = sum(sw.estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
+        assert est <= 540 or len(call) == 1
+
+
+def _rec(rid, step=None, error=None, what="rlcli"):
+    shape, ln = rid.split("-")[:2]
+    rec = {"id": rid, "shape": shape, "lengths": ln, "row": rid, "extra": [],
+           "env": {"date": "2026-12-05", "gpu": "H200", "torch": "2.11"}}
+    if error:
+        rec["error"] = error
+    else:
+        rec["results"] = [{"what": what, "step_s_median": step, "step_s_min": step, "step_s_max": step,
+                           "rollout_s": 1, "train_s": 1, "sync_s": 0, "gen_tok_per_s": 5, "train_mfu": 0.3,
+                           "peak_gib": 9, "response_lengths": lengths.length_stats([10, 20], 1024)}]
+    return rec
+
+
+def test_merge_keeps_results_and_the_table_states_ratios(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    sw.write(a, [_rec("0.5b-full-rlcli", 2.0), _rec("0.5b-longtail-rlcli", 6.0)])
+    sw.write(b, [_rec("0.5b-full-rlcli", error="Traceback\nOutOfMemoryError: x"),  # a failed retry keeps the result
+                 _rec("0.5b-full-trl-vllm", 10.0, what="trl-vllm"), _rec("0.5b-longtail-rlcli-async", 4.0),
+                 _rec("7b-full-rlcli", error="Traceback\nValueError: boom")])
+    recs = sw.merge([a, b / "sweep-results.json"])
+    assert [r["id"] for r in recs] == ["0.5b-full-rlcli", "0.5b-full-trl-vllm", "0.5b-longtail-rlcli",
+                                       "0.5b-longtail-rlcli-async", "7b-full-rlcli"]
+    text = sw.table(recs)
+    assert "rlcli 2.0 s, TRL + vLLM 10.0 s: **5.00×**" in text
+    assert "async 4.0 s against sync 6.0 s: **1.50×**" in text
+    assert "ValueError: boom" in text and "2026-12-05" in text
+    assert json.loads((b / "sweep-results.json").read_text())["runs"][0]["id"] == "0.5b-full-rlcli"
