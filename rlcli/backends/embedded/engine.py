@@ -29,6 +29,7 @@ from rlcli.backends.embedded.kv_cache import KVCache
 from rlcli.backends.embedded.model import LlamaFamilyModel
 from rlcli.backends.embedded.sampling import sample_plain_keyed, seed_keys
 from rlcli.backends.embedded.state import Sequence
+from rlcli.backends.engine_runtime.helpers import stop_ids_for
 from rlcli.compiling import compile_rows_dynamic
 from rlcli.types import SampleParams
 
@@ -171,10 +172,7 @@ class EmbeddedEngine(Admission, DecodeStep):
     def make_sequence(self, request: GenerateRequest, seed: int) -> Sequence:
         """Wrap a validated request; ``seed`` is used when the request carries none."""
         p = request.params
-        stop_ids: list[int] = []
-        for t in ([] if p.ignore_eos else self.eos_token_ids) + list(p.stop_token_ids):
-            if int(t) not in stop_ids:
-                stop_ids.append(int(t))
+        stop_ids = stop_ids_for(p, self.eos_token_ids)
         prompt = list(map(int, request.prompt_ids))
         k1, k2 = seed_keys(int(request.seed) if request.seed is not None else int(seed))
         max_new = min(p.max_tokens, self.max_model_len - len(prompt))

@@ -18,12 +18,9 @@ _SEED_MASK = 0x7FFFFFFFFFFFFFFF  # engines take seeds as signed 64-bit integers
 
 def stop_ids_for(params: SampleParams, eos_token_ids: Iterable[int]) -> list[int]:
     """Token ids that end a response: the EOS ids (unless ``ignore_eos``) and ``stop_token_ids``,
-    deduplicated in order."""
-    out: list[int] = []
-    for t in ([] if params.ignore_eos else list(eos_token_ids)) + list(params.stop_token_ids):
-        if int(t) not in out:
-            out.append(int(t))
-    return out
+    deduplicated in order (a dict, not a list scan: a model may list hundreds of EOS ids)."""
+    ids = ([] if params.ignore_eos else list(eos_token_ids)) + list(params.stop_token_ids)
+    return list(dict.fromkeys(int(t) for t in ids))
 
 
 def validate_request(request: GenerateRequest, vocab_size: int, max_model_len: int | None) -> str | None:
