@@ -4,7 +4,7 @@ production pauses responses in the middle and continues them.
 
 The full learning table (seeds 1, 2, 3, 500 steps each) is a benchmark, not a test:
 ``python benchmarks/quickstart_seeds.py --recipe recipes/quickstart-multitoken.yaml --target 0.8``
-(docs/benchmarks.md). The test here runs 400 steps of one seed and fails when the task stops learning.
+(docs/benchmarks.md). The test here runs 300 steps of one seed and fails when the task stops learning.
 """
 
 from __future__ import annotations
