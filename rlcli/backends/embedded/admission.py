@@ -78,7 +78,7 @@ class Admission(RowSampling, Finishing):
         n = len(seqs)
         width = max(1, self._stop_tab.shape[1], max(len(s.stop_ids) for s in seqs))
         self._ensure_stop_width(width)
-        ints, floats, stops = [], [], []
+        ints, floats = [], []
         for i, s in enumerate(seqs):
             r = b0 + i
             s.row = r
@@ -89,13 +89,11 @@ class Admission(RowSampling, Finishing):
                 [0, len(s.prompt), 0, p.min_tokens, p.top_k, s.key1, s.key2, int(bool(s.stop_ids)), int(greedy)]
             )
             floats.append([1.0 if greedy else float(p.temperature), float(p.top_p)])
-            st = s.stop_ids or [0]
-            stops.append(st + [st[0]] * (width - len(st)))
         sl = slice(b0, b0 + n)
         dev = self.device
         self._ints[sl] = torch.tensor(ints, dtype=torch.int64).to(dev, non_blocking=True)
         self._floats[sl] = torch.tensor(floats, dtype=torch.float32).to(dev, non_blocking=True)
-        self._stop_tab[sl] = torch.tensor(stops, dtype=torch.int64).to(dev, non_blocking=True)
+        self._stop_tab[sl] = _stop_rows(seqs, width).to(dev, non_blocking=True)
         self._h_ctx[sl] = [len(s.prompt) for s in seqs]
         self._h_gen[sl] = 0
         self._h_max_new[sl] = [s.max_new for s in seqs]
@@ -151,3 +149,13 @@ class Admission(RowSampling, Finishing):
             logits_rows[dest_t - b0] = logits[src_t]
             computed += sum(len(p) for p, _ in chunk)
         return logits_rows, computed
+
+
+def _stop_rows(seqs: list[Sequence], width: int) -> torch.Tensor:
+    """The stop-id table rows of ``seqs``, each padded to ``width`` with its first id. Requests
+    mostly share one list (the model's EOS ids, hundreds for some models), so each distinct list
+    becomes a tensor row once and the rows are gathered."""
+    distinct: dict[tuple[int, ...], int] = {}
+    which = [distinct.setdefault(tuple(s.stop_ids or (0,)), len(distinct)) for s in seqs]
+    table = torch.tensor([[*ids, *(ids[0],) * (width - len(ids))] for ids in distinct], dtype=torch.int64)
+    return table[torch.tensor(which, dtype=torch.int64)]
