@@ -166,9 +166,11 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
         metrics, out = run_eval(rec, checkpoint, out_dir)
     except (WorkDirError, *_path_errors()) as exc:
         _fail(str(exc), EXIT_RECIPE_ERROR)
-    for k, v in sorted(metrics.items()):
-        click.echo(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
-    click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'}")
+    from rlcli.runner.records import eval_lines
+
+    for line in eval_lines(metrics):
+        click.echo(line)
+    click.echo(f"wrote {out / 'eval.jsonl'} and {out / 'eval_metrics.json'} (with the engine's and judgers' counters)")
 
 
 def _path_errors() -> tuple[type[Exception], ...]:

@@ -162,3 +162,9 @@ def test_console_lines_say_what_was_measured():
     final = {"reward/mean": 0.5, "eval/accuracy": 0.75, "eval/engine/busy_s": 0.1, "eval/judger/calls": 3.0,
              "eval/agent_loop/errors": 0.0, "train/loss": 0.1}
     assert final_summary(final) == "reward/mean 0.5 | eval/accuracy 0.75"
+    # rlcli eval: the metrics, and a failure counter only where something failed
+    from rlcli.runner.records import eval_lines
+
+    ev = {"eval/accuracy": 0.75, "eval/engine/busy_s": 0.1, "eval/judger/calls": 3.0, "eval/judger/crashes": 1.0,
+          "eval/judger/timeouts": 0.0, "eval/failed": 0.0}
+    assert eval_lines(ev) == ["eval/accuracy: 0.7500", "eval/failed: 0.0000", "eval/judger/crashes: 1.0000"]

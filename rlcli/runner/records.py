@@ -137,12 +137,28 @@ def step_summary(m: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
+_COUNTERS = ("judger/", "agent_loop/", "engine/")
+_FAILURES = ("errors", "crashes", "timeouts", "out_of_memory", "hung_threads")
+
+
+def is_counter(key: str) -> bool:
+    """Whether ``key`` is one of the engine's, judgers' or agent loops' counters (kept in the files,
+    left out of the console's summaries)."""
+    return any(x in key for x in _COUNTERS)
+
+
 def final_summary(m: dict[str, float]) -> str:
     """The end-of-run console line's figures: the last reward and eval metrics, without the
     engine's, judgers' and agent loops' counters."""
-    keys = [k for k in m if k == "reward/mean" or (
-        k.startswith("eval/") and not any(x in k for x in ("judger/", "agent_loop/", "engine/")))]
+    keys = [k for k in m if k == "reward/mean" or (k.startswith("eval/") and not is_counter(k))]
     return " | ".join(f"{k} {m[k]:.4g}" for k in keys)
+
+
+def eval_lines(m: dict[str, float]) -> list[str]:
+    """``rlcli eval``'s console lines: every metric but the counters, and those counters that
+    report failures when they are not zero (all of them stay in eval_metrics.json)."""
+    keys = sorted(k for k in m if not is_counter(k) or (k.rsplit("/", 1)[-1] in _FAILURES and m[k]))
+    return [f"{k}: {m[k]:.4f}" if isinstance(m[k], float) else f"{k}: {m[k]}" for k in keys]
 
 
 def mean(xs: list[float]) -> float:
