@@ -128,7 +128,8 @@ def trl_steps(model_dir: Path, steps: int, work: dict, vllm: dict | None = None)
         row["settings"] = {k: v for k, v in settings.items() if k.startswith("vllm_") or k == "generation_kwargs"}
         row["vllm"] = __import__("vllm").__version__
     if cuda:
-        row["device_used_gib"] = round((torch.cuda.mem_get_info()[1] - torch.cuda.mem_get_info()[0]) / 2**30, 1)
+        free, total = torch.cuda.mem_get_info()
+        row["device_used_gib"] = round((total - free) / 2**30, 1)
     del trainer, model
     return row
 
