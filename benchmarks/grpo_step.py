@@ -494,6 +494,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
            # every step, warm-up and profiled ones included, so that an outlier can be placed
            per_step=[{"step": i, "step_s": round(r["timing/step_s"], 3), "rollout_s": round(r["timing/rollout_s"], 3),
                       "train_s": round(r["timing/train_s"], 3), "sync_s": round(r["timing/sync_s"], 4),
+                      **{k: round(r[f"timing/{k}"], 4) for k in ("sleep_s", "wake_up_s") if f"timing/{k}" in r},
                       # the engine's own view of the rollout: time with work, scheduler steps, graphs captured
                       **{k: round(r[f"engine/{k}"], 4) for k in ("busy_s", "steps", "cuda_graph_captures")
                          if f"engine/{k}" in r},

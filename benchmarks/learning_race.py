@@ -213,6 +213,7 @@ def rlcli_result(run_dir: Path, t_launch: float) -> dict[str, Any]:
     return {"evals": evals, "steps_done": max((r["step"] for r in steps), default=0),
             "step_s": [r["timing/step_s"] - r.get("timing/eval_s", 0.0) for r in steps],
             "rollout_s": every("timing/rollout_s"), "train_s": every("timing/train_s"), "reward": every("reward/mean"),
+            "sync_s": every("timing/sync_s"), "sleep_s": every("timing/sleep_s"), "wake_up_s": every("timing/wake_up_s"),
             "peak_gib_torch": max(every("memory/rollout_peak_gib") + every("memory/train_peak_gib"), default=None),
             "logprob_gap_mean": statistics.fmean(gap) if gap else None,
             "logprob_gap_max": max(every("mismatch/logprob_abs_diff_max"), default=None),

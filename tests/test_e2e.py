@@ -38,7 +38,7 @@ def test_quickstart_learns(quickstart_run):
     assert last == 300 and evals[last] >= 0.9, evals
     required = {"step", "time", "reward/mean", "response/length_mean", "train/loss", "train/grad_norm", "train/lr",
                 "train/entropy", "train/clipfrac", "timing/rollout_s", "timing/train_s", "timing/sync_s",
-                "timing/step_s", "rollout/tokens"}
+                "timing/step_s", "timing/sleep_s", "timing/wake_up_s", "rollout/tokens"}
     for x in r[1:]:
         assert required <= set(x), required - set(x)
         # the engine's own counters: what it generated is what the rollout recorded

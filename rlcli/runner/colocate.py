@@ -117,7 +117,8 @@ class ColocateRunner:
                 # sampler -> agent loop -> backend -> judger -> produce strategy -> replay buffer
                 batch = self.run(self.manager.produce_batch(self.local_batch, step, policy, tick))
             rollout_peak = self.peak_memory_gib()
-            self.backend.sleep()  # colocated: give the KV cache back for training
+            with self.timer("sleep"):  # colocated: give the KV cache back for training
+                self.backend.sleep()
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
                 with torch.profiler.record_function("rlcli/train/sequences"):
                     seqs, adv = sequences_from_groups(batch.groups, self.estimator)
@@ -129,7 +130,8 @@ class ColocateRunner:
             if self.schedule.sync_due(step):
                 with self.timer("sync"):
                     self.sync_weights(version=step)
-            self.backend.wake_up()
+            with self.timer("wake_up"):  # engines that rebuild their KV cache (and graphs) spend it here
+                self.backend.wake_up()
             if self.schedule.eval_due(step):
                 metrics.update(self.evaluate(step))
             metrics["timing/step_s"] = time.perf_counter() - t0
