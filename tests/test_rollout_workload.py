@@ -3,14 +3,13 @@ plugins size from it (rlcli.backends.engine_runtime.kv_budget)."""
 
 from __future__ import annotations
 
-import json
 import math
 from types import SimpleNamespace
 
 import pytest
 
 from rlcli.backends.base import RolloutWorkload
-from rlcli.backends.engine_runtime import KV_MARGIN_PERCENT, KVShape, plan_kv_cache, read_kv_shape
+from rlcli.backends.engine_runtime import KV_MARGIN_PERCENT, KVShape, kv_shape_from_config, plan_kv_cache, read_model_info
 from rlcli.config import load_recipe
 from rlcli.runner.workload import rollout_workload
 
@@ -65,16 +64,21 @@ def test_workload_counts_over_sampling_shards_and_the_largest_eval_task(repo):
     assert rollout_workload([], recipe.tasks, 100, None, (0, 1)) is None
 
 
-def test_kv_shape_reads_the_model_config_and_fills_in_head_dim(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 256}))
-    shape = read_kv_shape(tmp_path)
+def test_kv_shape_reads_the_model_config_and_fills_in_head_dim():
+    shape = kv_shape_from_config({"num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 256})
     assert shape == KVShape(layers=3, kv_heads=8, head_dim=32)  # no kv heads: MHA; head_dim = 256 / 8
     assert shape.bytes_per_token(2) == 2 * 3 * 8 * 32 * 2
-    (tmp_path / "config.json").write_text(json.dumps({"text_config": {
-        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-        "hidden_size": 512}}))
-    assert read_kv_shape(tmp_path) == KVShape(layers=2, kv_heads=2, head_dim=128)
+    multimodal = {"text_config": {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+                                  "head_dim": 128, "hidden_size": 512}}
+    assert kv_shape_from_config(multimodal) == KVShape(layers=2, kv_heads=2, head_dim=128)
+
+
+def test_model_info_carries_the_kv_shape_of_the_served_model(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2).save_pretrained(tmp_path)
+    assert read_model_info(tmp_path).kv_shape == KVShape(layers=3, kv_heads=2, head_dim=16)
 
 
 def test_plan_sizes_for_the_sequences_in_flight_with_the_margin_and_a_floor():

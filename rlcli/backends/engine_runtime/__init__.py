@@ -37,7 +37,7 @@ the path plugins import from):
 * ``model_info.py`` - :class:`ModelInfo` and :func:`read_model_info` (names and shapes from a
   meta-device instance of the model's config).
 * ``kv_budget.py`` - :func:`plan_kv_cache`, the KV cache a run's workload needs (the engine
-  plugins' ``auto`` memory option), :class:`KVBudget`, :class:`KVShape` and :func:`read_kv_shape`.
+  plugins' ``auto`` memory option), :class:`KVBudget`, :class:`KVShape` and :func:`kv_shape_from_config`.
 * ``helpers.py`` - the pure helpers: :func:`validate_request`, :func:`stop_ids_for`,
   :func:`response_budget`, :func:`prepare_weight_update`, :func:`normalize_finish` and
   :class:`SeedSequence`.
@@ -74,9 +74,9 @@ from rlcli.backends.engine_runtime.kv_budget import (
     KVBudget,
     KVShape,
     MemoryShare,
+    kv_shape_from_config,
     memory_option,
     plan_kv_cache,
-    read_kv_shape,
 )
 from rlcli.backends.engine_runtime.loop import EngineLoop
 from rlcli.backends.engine_runtime.model_info import ModelInfo, read_model_info
@@ -97,12 +97,12 @@ __all__ = [
     "MemoryShare",
     "ModelInfo",
     "SeedSequence",
+    "kv_shape_from_config",
     "managed_kwarg_issues",
     "memory_option",
     "normalize_finish",
     "plan_kv_cache",
     "prepare_weight_update",
-    "read_kv_shape",
     "read_model_info",
     "response_budget",
     "stop_ids_for",

@@ -26,7 +26,7 @@ from rlcli.backends.engine_runtime.helpers import (
     stop_ids_for,
     validate_request,
 )
-from rlcli.backends.engine_runtime.kv_budget import KVBudget, plan_kv_cache, read_kv_shape
+from rlcli.backends.engine_runtime.kv_budget import KVBudget, plan_kv_cache
 from rlcli.backends.engine_runtime.loop import EngineLoop
 from rlcli.backends.engine_runtime.model_info import read_model_info
 from rlcli.backends.engine_runtime.package import EnginePackage, managed_kwarg_issues
@@ -172,7 +172,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
         of the KV cache (default: the model dtype's)."""
         device = torch.device(self.ctx.device)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
-        budget = plan_kv_cache(self.ctx.workload, read_kv_shape(self.ctx.model_dir),
+        budget = plan_kv_cache(self.ctx.workload, self.model_info.kv_shape,
                                dtype_bytes=dtype_bytes or self.ctx.dtype.itemsize, block_size=block_size,
                                max_model_len=self.max_model_len, concurrency=concurrency,
                                reserved_blocks=reserved_blocks, free_bytes=free, weight_bytes=self.weight_bytes)

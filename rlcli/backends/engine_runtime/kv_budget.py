@@ -18,10 +18,8 @@ The rule (the engine plugins' ``auto`` memory option):
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field
@@ -56,16 +54,21 @@ class KVShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * int(dtype_bytes)
 
 
-def read_kv_shape(model_dir: str | Path) -> KVShape:
-    """The KV shape of a Hugging Face decoder from its ``config.json`` (a multimodal config's
-    ``text_config``): ``num_key_value_heads`` defaults to ``num_attention_heads`` and ``head_dim``
-    to ``hidden_size // num_attention_heads``."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    cfg = cfg.get("text_config") or cfg
-    heads = int(cfg["num_attention_heads"])
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-    return KVShape(layers=int(cfg["num_hidden_layers"]), kv_heads=kv_heads, head_dim=head_dim)
+def kv_shape_from_config(cfg: Any) -> KVShape:
+    """The KV shape of a Hugging Face decoder from its config: a ``config.json`` mapping (a
+    multimodal config's ``text_config`` is used) or a transformers config object (pass its text
+    config). ``num_key_value_heads`` defaults to ``num_attention_heads`` and ``head_dim`` to
+    ``hidden_size // num_attention_heads``."""
+    if isinstance(cfg, dict):
+        cfg = cfg.get("text_config") or cfg
+        get = cfg.get
+    else:
+        def get(key: str) -> Any:
+            return getattr(cfg, key, None)
+    heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads") or heads)
+    head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
+    return KVShape(layers=int(get("num_hidden_layers")), kv_heads=kv_heads, head_dim=head_dim)
 
 
 @dataclass(frozen=True)

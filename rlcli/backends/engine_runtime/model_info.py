@@ -1,5 +1,5 @@
 """Model facts read from the Hugging Face directory (no weights loaded): :class:`ModelInfo` and
-:func:`read_model_info`."""
+:func:`read_model_info`, the one reader of a served model's ``config.json``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from rlcli.backends.engine_runtime.kv_budget import KVShape, kv_shape_from_config
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,7 @@ class ModelInfo:
     max_position_embeddings: int | None
     shapes: dict[str, tuple[int, ...]]  # state_dict name -> shape (tied aliases included)
     aliases: dict[str, str] = field(default_factory=dict)  # tied alias -> canonical name
+    kv_shape: KVShape | None = None  # layers, KV heads and head size: what a token costs in a KV cache
 
     @property
     def tied(self) -> bool:
@@ -44,4 +47,5 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=int(max_pos) if max_pos else None,
         shapes=shapes,
         aliases=aliases,
+        kv_shape=kv_shape_from_config(text),
     )
