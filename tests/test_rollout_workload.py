@@ -101,3 +101,12 @@ def test_plan_sizes_for_the_sequences_in_flight_with_the_margin_and_a_floor():
                         free_bytes=free, weight_bytes=weights)
     assert big.blocks == (free - weights) // 2 // (16 * 12 * 1024) and big.capped_blocks > big.blocks
     assert "more than 50% of the free device memory" in big.describe()
+
+
+def test_a_config_without_head_counts_leaves_the_kv_cache_to_the_engine():
+    from rlcli.backends.engine_runtime import EngineBackend
+    from rlcli.backends.engine_runtime.model_info import _kv_shape
+
+    assert _kv_shape(SimpleNamespace(num_hidden_layers=4)) is None  # no num_attention_heads (e.g. a state-space model)
+    backend = SimpleNamespace(model_info=SimpleNamespace(kv_shape=None), engine=SimpleNamespace(label="x"), kv_plan=0)
+    assert EngineBackend.kv_budget(backend, block_size=16) is None and backend.kv_plan is None

@@ -170,6 +170,11 @@ class EngineBackend(InferenceBackend, abc.ABC):
         :mod:`~rlcli.backends.engine_runtime.kv_budget`), logged; None when the workload is unknown.
         ``concurrency``: the engine's limit on sequences decoded together, when set; ``dtype_bytes``:
         of the KV cache (default: the model dtype's)."""
+        if self.model_info.kv_shape is None:
+            self.kv_plan = None
+            log.info("%s backend: the model's config names no layer and head counts; the engine sizes its KV "
+                     "cache itself", self.engine.label)
+            return None
         device = torch.device(self.ctx.device)
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
         budget = plan_kv_cache(self.ctx.workload, self.model_info.kv_shape,

@@ -47,5 +47,13 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
         max_position_embeddings=int(max_pos) if max_pos else None,
         shapes=shapes,
         aliases=aliases,
-        kv_shape=kv_shape_from_config(text),
+        kv_shape=_kv_shape(text),
     )
+
+
+def _kv_shape(text_config: object) -> KVShape | None:
+    """The KV shape, or None for a config without the usual layer and head counts."""
+    try:
+        return kv_shape_from_config(text_config)
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
