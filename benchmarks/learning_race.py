@@ -14,8 +14,9 @@ nvidia-smi, which also sees engine processes and vLLM's allocator), mean engine-
     python benchmarks/learning_race.py report --inputs call1/ call2/ --out merged/         # anywhere, CPU
     python benchmarks/learning_race.py race --size tiny --work /tmp/t --out /tmp/t/out --framework rlcli  # CPU
 
-Warm start (``race_task.py``): a ~76M-parameter Qwen2 (``--size small``) trained from scratch on
-multi-digit addition with written carries, stopped at 0.3 greedy accuracy on held-out data.
+Warm start (``race_warmstart.py``; the task in ``race_task.py``): a ~76M-parameter Qwen2 (``--size
+small``) trained from scratch on multi-digit addition with written carries, stopped at 0.3 greedy
+accuracy on held-out data.
 
 GRPO, the same for every framework: ``train.jsonl``'s prompts, group size 8, ``--prompts`` prompts
 per step, one optimizer step per rollout batch (AdamW 0.9/0.999, eps 1e-8, no weight decay, constant
@@ -39,7 +40,7 @@ weights and bf16 compute on GPU (rlcli: FSDP2 mixed precision; TRL: float32 mode
 Evaluation: greedy accuracy on the same N held-out problems every ``--eval-every`` steps and at step
 0, judged by gsm8k. rlcli: its ``eval`` section (its engine, temperature 0). TRL: a callback running
 transformers ``generate`` (batched, left padding, ``do_sample=False``, bf16 autocast on GPU). The first
-evaluation is subtracted at most at a warm one's cost (``race_task.curve_from_evals``). A run
+evaluation is subtracted at most at a warm one's cost (``race_report.curve_from_evals``). A run
 stops after ``--steps`` or, once its training seconds pass ``--max-seconds``, after one more step and
 a final evaluation. rlcli runs ``ColocateRunner`` as ``rlcli train`` does, on ``<run dir>/recipe.yaml``.
 
@@ -69,6 +70,10 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
 import race_task as rt  # noqa: E402
+from race_model import greedy_accuracy  # noqa: E402
+from race_report import curve_from_evals, report  # noqa: E402
+from race_tokenizer import check_prompt_ids  # noqa: E402
+from race_warmstart import warmstart  # noqa: E402
 from profiling import maybe_profile  # noqa: E402
 
 FRAMEWORKS = ("rlcli", "rlcli-async", "rlcli-vllm", "rlcli-sglang", "rlcli-lmdeploy", "trl", "trl-vllm")
@@ -303,7 +308,7 @@ def trl_callback(spec: dict, tok, heldout: list[dict], record: dict):
             sync()
             t = time.time()
             train_s = t - t0 - self.eval_s
-            acc = rt.greedy_accuracy(model, tok, heldout, s["max_new_tokens"])
+            acc = greedy_accuracy(model, tok, heldout, s["max_new_tokens"])
             sync()
             dt = time.time() - t
             self.eval_s += dt
@@ -356,7 +361,7 @@ def trl_child(spec: dict, vllm: bool) -> None:
     torch.set_num_threads(s.get("threads") or torch.get_num_threads())  # CPU runs: --threads
     tok = AutoTokenizer.from_pretrained(str(ws))
     train, heldout = rt.read_rows(ws / "train.jsonl"), rt.read_rows(ws / "heldout.jsonl")
-    rt.check_prompt_ids(tok, train[:16])
+    check_prompt_ids(tok, train[:16])
     record: dict[str, Any] = {"evals": [], "step_s": [], "logs": [], "steps_done": 0}
 
     def addition_reward(completions, answer, **kw) -> list[float]:
@@ -507,7 +512,7 @@ def run_framework(framework: str, args, target: float, wall_budget: float) -> Pa
     got = json.loads(facts.read_text()) if facts.exists() else {}
     result.update(got if framework.startswith("trl") else
                   {k: v for k, v in got.items() if k != "peak_gib_torch"})  # rlcli: peaks come from its metrics
-    result["curve"] = rt.curve_from_evals(result.get("evals", []))
+    result["curve"] = curve_from_evals(result.get("evals", []))
     steps = result.get("step_s", [])[1:]  # the first step warms up (compilation, graphs, allocator)
     result["median_step_s"] = round(statistics.median(steps), 3) if steps else None
     result["log_tail"] = (run_dir / "log.txt").read_text()[-6000:]
@@ -553,7 +558,7 @@ def cmd_race(args) -> None:
             print(f"[race] {fw}: not run, {left:.0f}s left of --deadline-s", flush=True)
             continue
         run_framework(fw, args, target, left)
-    rt.report([Path(args.out)], Path(args.out))
+    report([Path(args.out)], Path(args.out))
 
 
 def main() -> None:
@@ -597,11 +602,11 @@ def main() -> None:
     w.add_argument("--band-hi", type=float, default=0.6)
     args = ap.parse_args()
     if args.cmd == "warmstart":
-        rt.warmstart(args)
+        warmstart(args)
     elif args.cmd == "race":
         cmd_race(args)
     else:
-        rt.report([Path(d) for d in args.inputs], Path(args.out))
+        report([Path(d) for d in args.inputs], Path(args.out))
 
 
 if __name__ == "__main__":
