@@ -343,7 +343,8 @@ def test_shutdown_ends_requests_waiting_at_the_gate(kit_dirs):
 # ------------------------------------------------------------------------------------------
 @pytest.fixture
 def bench(monkeypatch):
-    """benchmarks/backends.py with the tiny workload of its --tiny mode."""
+    """benchmarks/backends.py with the tiny workload of its --tiny mode (its run state, ``RESULTS`` and the
+    options, is in ``bench.common``: benchmarks/backends_common.py)."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     import backends
     import grpo_step as gs
@@ -378,7 +379,9 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
         else:
             with pytest.raises(ValueError, match="SGLang's diagnostic path"):
                 bench.bare(engine, be, prompts, each=True)
-        monkeypatch.setattr(bench, "THROUGHPUT_ROUNDS", 2)
+        import backends_throughput
+
+        monkeypatch.setattr(backends_throughput, "THROUGHPUT_ROUNDS", 2)
         rates = bench.throughput(engine, be, prompts)  # warm-up + 2 interleaved rounds of each path
         paths = ["bare", "plain", "seeded"] + (["bare_each", "batched"] if engine == "sglang" else [])
         assert sorted(rates) == sorted(paths) and all(len(v) == 2 and min(v) > 0 for v in rates.values())
@@ -395,7 +398,7 @@ def test_benchmark_ratio_pairs_each_round_with_its_bare_round(bench):
 
 
 def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
-    monkeypatch.setattr(bench, "RESULTS", [
+    monkeypatch.setattr(bench.common, "RESULTS", [
         {"what": "check", "check": "greedy_matches_reference", "status": "pass", "detail": ""},
         {"what": "check", "check": "sleep_wake", "status": "FAIL", "detail": "AssertionError: x | y",
          "by_design": "memory_allocated() is blind"},
@@ -406,7 +409,7 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     md = bench.markdown("vllm", env)
     assert "| vllm 0.26.0 | 2026-12-01 | NVIDIA H200 | 1/3 pass; FAIL: sleep_wake; not run: many_concurrent | not run |" in md
     assert "| 20,000 | 15,000 | 21,000 | 0.95 |" in md
-    bench.RESULTS[-1]["ratio_paired_median"] = 0.9
+    bench.common.RESULTS[-1]["ratio_paired_median"] = 0.9
     assert "| 20,000 | 15,000 | 21,000 | 0.95 (per-round median 0.90) |" in bench.markdown("vllm", env)
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
 
@@ -425,10 +428,10 @@ def test_benchmark_copies_diagnostic(bench, tmp_path, monkeypatch):
     assert (s["prompts"], s["diverging"], s["most_distinct"], s["earliest_divergence"]) == (3, 2, 3, 1)
     assert s["example"] == {"prompt": [2], "a": [5, 6, 7], "b": [5, 6, 8]}
 
-    monkeypatch.setattr(bench, "RESULTS", [])
-    monkeypatch.setattr(bench, "KIT_VARIANTS", [("base", []), ("mb4", ["max_batch_size=4"]), ("bad", ["nope=1"])])
+    monkeypatch.setattr(bench.common, "RESULTS", [])
+    monkeypatch.setattr(bench.common, "KIT_VARIANTS", [("base", []), ("mb4", ["max_batch_size=4"]), ("bad", ["nope=1"])])
     bench.section_copies("embedded", tmp_path)
-    got = {r["variant"]: r for r in bench.RESULTS if r["what"] == "copies"}
+    got = {r["variant"]: r for r in bench.common.RESULTS if r["what"] == "copies"}
     for name in ("base", "mb4"):  # the embedded engine's copies agree under every load
         assert [got[name][k]["diverging"] for k in ("mixed", "alone", "serial")] == [0, 0, 0], got[name]
         assert got[name]["mixed"]["prompts"] == 10
@@ -491,10 +494,10 @@ def test_engine_plugin_gpu_tests_skip_with_the_exact_reason(tmp_path):
 
 def test_benchmark_conformance_runs_only_the_checks_named(bench, tmp_path, monkeypatch):
     """``--checks``: a later device call reruns the checks an earlier one had no time for."""
-    monkeypatch.setattr(bench, "RESULTS", [])
-    monkeypatch.setattr(bench, "CHECKS", ["min_tokens", "sleep_releases_device_memory"])
+    monkeypatch.setattr(bench.common, "RESULTS", [])
+    monkeypatch.setattr(bench.common, "CHECKS", ["min_tokens", "sleep_releases_device_memory"])
     bench.section_conformance("embedded", tmp_path)
-    checks = {r["check"]: r["status"] for r in bench.RESULTS if r["what"] == "check"}
+    checks = {r["check"]: r["status"] for r in bench.common.RESULTS if r["what"] == "check"}
     assert checks == {"min_tokens": "pass", "sleep_releases_device_memory": "not run"}  # no CUDA here
 
 
@@ -533,11 +536,11 @@ def test_benchmark_kit_set_reaches_the_kit_engines_config(bench, monkeypatch):
         return real(**kw)
 
     monkeypatch.setattr(mod.SGLangBackend, "Config", capture)
-    monkeypatch.setattr(bench, "KIT_SET", ["engine_kwargs.disable_radix_cache=true", "use_request_seeds=true"])
+    monkeypatch.setattr(bench.common, "KIT_SET", ["engine_kwargs.disable_radix_cache=true", "use_request_seeds=true"])
     bench.conformance_setup("sglang", "cpu")
     assert seen["use_request_seeds"] is True
     assert seen["engine_kwargs"] == {"disable_prefill_cuda_graph": True, "cuda_graph_max_bs_decode": 32,
                                      "disable_radix_cache": True}
-    monkeypatch.setattr(bench, "KIT_SET", ["no_such_setting=1"])
+    monkeypatch.setattr(bench.common, "KIT_SET", ["no_such_setting=1"])
     with pytest.raises(pydantic.ValidationError, match="no_such_setting"):
         bench.conformance_setup("sglang", "cpu")

@@ -1,0 +1,133 @@
+"""``benchmarks/backends.py``'s section "run": the engine behind ``ColocateRunner`` next to its
+trainer, as ``rlcli train`` builds them; throughput through rlcli and bare (``backends_throughput``),
+``--host-profile``'s profiles, then three GRPO steps (``runner.fit()``)."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import math
+import statistics
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import backends_common as common
+import grpo_step as gs
+from backends_common import GRPO_STEPS, PLUGIN_MODULES, K, NotRun, result
+from backends_throughput import host_profile, paired_ratio, throughput, workload
+
+
+def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
+    shared = {"max_model_len": 512, "max_batch_size": sequences}
+    return {
+        "embedded": {"name": "embedded", **shared},
+        "vllm": {"name": "vllm", "gpu_memory_utilization": 0.35, **shared},
+        "sglang": {"name": "sglang", "mem_fraction_static": 0.35, **shared},
+        "lmdeploy": {"name": "lmdeploy", "cache_max_entry_count": 0.35, **shared},
+    }[engine]
+
+
+def section_run(engine: str, root: Path) -> None:
+    runner = build_runner(engine, root)
+    rows: list[dict] = []
+    try:
+        prompts = workload()
+        report_throughput(engine, runner.backend, prompts)
+        if common.HOST_PROFILE is not None:
+            report_host_profile(engine, runner.backend, prompts, common.HOST_PROFILE)
+        if hasattr(runner.backend, "_use_seeds"):
+            runner.backend._use_seeds = bool(getattr(runner.backend.config, "use_request_seeds", True))
+        runner.backend.stats()  # reset the counters: the GRPO rows count their own tokens
+        orig_log = runner.log
+
+        def log(step, metrics, groups=None):
+            out = orig_log(step, metrics, groups)
+            rows.append(out)
+            return out
+
+        runner.log = log
+        runner.fit()
+    finally:
+        runner.close()
+        del runner
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    report_grpo(engine, rows)
+
+
+def build_runner(engine: str, root: Path):
+    """The ``ColocateRunner`` of the GRPO benchmark's recipe with ``rollout.name=<engine>`` (the
+    engine's plugin registered here when it is not pip-installed); records its start-up time."""
+    from rlcli.config import validate_recipe
+    from rlcli.plugins import registry_with
+    from rlcli.runner.colocate import ColocateRunner
+
+    registry = registry_with(gs.bench_plugin)
+    if engine not in registry.names("inference_backend"):  # the plugin is not pip-installed: register it here
+        registry = registry_with(gs.bench_plugin, importlib.import_module(PLUGIN_MODULES[engine]))
+    model_dir = gs.make_model_dir((root / "model").resolve()) if not (root / "model" / "config.json").exists() \
+        else root / "model"
+    data = gs.write_prompts(root / "prompts.jsonl", gs.PROMPTS * (GRPO_STEPS + 2))
+    raw = gs.bench_recipe(model_dir, data, root / f"work-{engine}", GRPO_STEPS,
+                          rollout=run_rollout_config(engine, gs.PROMPTS * K))
+    rec = validate_recipe(raw, registry=registry)
+    t0 = time.perf_counter()
+    runner = ColocateRunner(rec, quiet=True, overwrite=True)
+    startup = time.perf_counter() - t0
+    result(what="startup", engine=engine, seconds=round(startup, 1))
+    return runner
+
+
+def report_throughput(engine: str, backend, prompts: list[list[int]]) -> None:
+    """The throughput rounds, recorded as one ``throughput`` result (or its error)."""
+    try:
+        rates = throughput(engine, backend, prompts)
+        plain, seeded, bare_rate = (max(rates[k]) for k in ("plain", "seeded", "bare"))
+        result(what="throughput", engine=engine, sequences=len(prompts) * K, new_tokens=gs.NEW,
+               rlcli_tok_s=round(plain), rlcli_seeded_tok_s=round(seeded), bare_tok_s=round(bare_rate),
+               ratio=round(plain / bare_rate, 3), seeded_ratio=round(seeded / bare_rate, 3),
+               ratio_paired_median=round(paired_ratio(rates, "plain"), 3),
+               seeded_ratio_paired_median=round(paired_ratio(rates, "seeded"), 3),
+               **({"bare_each_tok_s": round(max(rates["bare_each"]))} if "bare_each" in rates else {}),
+               **({"batched_tok_s": round(max(rates["batched"])),
+                   "batched_ratio": round(max(rates["batched"]) / bare_rate, 3),
+                   "batched_ratio_paired_median": round(paired_ratio(rates, "batched"), 3)}
+                  if "batched" in rates else {}),
+               rounds={k: [round(r) for r in v] for k, v in rates.items()})
+    except Exception:
+        result(what="throughput", engine=engine, error=traceback.format_exc()[-2000:])
+
+
+def report_host_profile(engine: str, backend, prompts: list[list[int]], where: Path) -> None:
+    """``--host-profile``: one plain and one bare round profiled, written as
+    ``host-profile-<engine>-{plain,bare}.txt`` in ``where``."""
+    try:
+        texts = host_profile(engine, backend, prompts)
+        where.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            (where / f"host-profile-{engine}-{name}.txt").write_text(text)
+        result(what="host_profile", engine=engine,
+               rates={k: v.splitlines()[0] for k, v in texts.items()}, dir=str(where))
+    except NotRun as exc:
+        result(what="host_profile", engine=engine, error=f"not run: {exc}")
+    except Exception:
+        result(what="host_profile", engine=engine, error=traceback.format_exc()[-2000:])
+
+
+def report_grpo(engine: str, rows: list[dict]) -> None:
+    """The GRPO steps' logged rows, recorded as one ``grpo`` result."""
+    steps = [r["timing/step_s"] for r in rows]
+    losses = [r.get("train/loss", r.get("loss/policy", float("nan"))) for r in rows]
+    result(what="grpo", engine=engine, steps=len(rows), step_s=[round(s, 2) for s in steps],
+           step_s_median_after_first=round(statistics.median(steps[1:]), 2) if len(steps) > 1 else None,
+           rollout_s=[round(r["timing/rollout_s"], 2) for r in rows],
+           train_s=[round(r["timing/train_s"], 2) for r in rows],
+           sync_s=[round(r["timing/sync_s"], 3) for r in rows],
+           reward_mean=[round(r.get("reward/mean", float("nan")), 3) for r in rows],
+           rollout_logprob_diff=[r.get("train/rollout_logprob_diff") for r in rows],
+           finite=all(math.isfinite(x) for x in losses if isinstance(x, float)) and len(rows) == GRPO_STEPS)
