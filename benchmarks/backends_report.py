@@ -61,7 +61,8 @@ def markdown(engine: str, env: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- |"]
         for r in by["copies"]:
             if "error" in r:
-                lines.append(f"| {r['variant']} | {', '.join(r['settings'])} | error: "
+                # a section skipped or failed as a whole has no variant of its own
+                lines.append(f"| {r.get('variant', 'all')} | {', '.join(r.get('settings', []))} | error: "
                              f"{str(r['error']).strip().splitlines()[-1][:150].replace('|', '/')} | | | |")
                 continue
             cell = [f"{r[k]['diverging']} / {r[k]['prompts']}, {r[k]['most_distinct']}, "
