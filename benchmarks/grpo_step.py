@@ -29,6 +29,8 @@ split.png. A failing section prints its exact error and the others still run. `-
 torch.profiler tables; `--memory` writes, for the third train step of each rlcli run, what was
 allocated at its peak and what it leaves allocated, grouped by allocation stack (recording the
 stacks slows the steps: use it in a run of its own, not for timings).
+Beside this script: grpo_args.py (its flags), grpo_trl.py (the TRL rows), grpo_report.py (the --out
+files), torch_profile.py (--profile), memory_stacks.py (--memory).
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
 import bench_plugin  # noqa: E402  (the benchmark judger, a plugin module)
+import grpo_args  # noqa: E402  (the command line)
+import grpo_report  # noqa: E402  (--out: results.json, table.md, split.png)
+import torch_profile  # noqa: E402  (--profile)
+from memory_stacks import peak_in_trace, summarize_snapshot  # noqa: E402  (--memory; tests import them from here)
 
 # Random-init Qwen2.5 shapes (--shape); "tiny" is the CPU smoke-test model of --tiny. The numbers are
 # those of the published config.json files (vocab_size, num_hidden_layers, hidden_size,
@@ -84,111 +90,9 @@ MEMORY_DIR: Path | None = None  # --memory: a train step's peak and what it leav
 PEAK_TFLOPS = 787.0  # the bf16 matmul ceiling MFU is relative to (measured by --ceilings when it runs)
 
 
-def _where(frames: list[dict]) -> str:
-    """The innermost frames of an allocation outside torch's own machinery (torch.nn kept)."""
-    # Python frames only: with C++ stacks recorded as well (torch's default), the innermost frames are
-    # the allocator's own (seen on the H200: every block grouped under CUDACachingAllocator::malloc).
-    py = [f for f in frames if f.get("filename", "").endswith(".py")]
-    kept = [f for f in py if "site-packages/torch/" not in f["filename"] or "torch/nn/" in f["filename"]][:4]
-    return " <- ".join(f"{Path(f.get('filename', '?')).name}:{f.get('line', '?')} {f.get('name', '?')}"
-                       for f in kept) or "(no stack recorded)"
-
-
-def _grouped(title: str, blocks: list[tuple[int, list[dict]]], top: int) -> str:
-    groups: dict[str, list[int]] = {}
-    for size, frames in blocks:
-        groups.setdefault(_where(frames), []).append(size)
-    lines = [f"{title}: {sum(s for s, _ in blocks) / 2**30:.2f} GiB in {len(blocks)} blocks"]
-    for where, sizes in sorted(groups.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"{sum(sizes) / 2**30:8.3f} GiB  {len(sizes):5d} blocks  {where}")
-    return "\n".join(lines)
-
-
-def summarize_snapshot(snapshot: dict, top: int = 25) -> str:
-    """The live (``active_allocated``) blocks of ``torch.cuda.memory._snapshot()``, grouped by the
-    innermost frames that allocated them, largest total first."""
-    blocks = [(int(b.get("size", 0)), b.get("frames", [])) for seg in snapshot.get("segments", [])
-              for b in seg.get("blocks", []) if b.get("state") == "active_allocated"]
-    return _grouped("live", blocks, top)
-
-
-def peak_in_trace(snapshot: dict, start_us: float | None = None, end_us: float | None = None, top: int = 25) -> str:
-    """What was allocated at the highest point of a window of the recorded allocation trace
-    (``device_traces`` of a snapshot taken with memory history on since before the model was
-    built): the trace is replayed from its start (``alloc`` adds a block, ``free_requested`` removes
-    it), the peak inside ``[start_us, end_us]`` is found, and the live blocks at that moment are
-    grouped by allocation stack."""
-    trace = (snapshot.get("device_traces") or [[]])[0]
-
-    def replay(stop: int | None) -> tuple[dict[int, tuple[int, list[dict]]], int]:
-        """The live blocks after event ``stop`` (None: the end), and the index of the peak event."""
-        live: dict[int, tuple[int, list[dict]]] = {}
-        total = best = 0
-        best_i = -1
-        for i, ev in enumerate(trace):
-            if stop is not None and i > stop:
-                break
-            action, addr = ev.get("action"), ev.get("addr")
-            if action == "alloc":
-                live[addr] = (int(ev.get("size", 0)), ev.get("frames", []))
-                total += live[addr][0]
-            elif action in ("free_requested", "free_completed") and addr in live:
-                total -= live.pop(addr)[0]
-            t = ev.get("time_us")
-            inside = (start_us is None or t is None or t >= start_us) and (end_us is None or t is None or t <= end_us)
-            if inside and total > best:
-                best, best_i = total, i
-        return live, best_i
-
-    _, best_i = replay(None)
-    what = "in the window"
-    if best_i < 0 and (start_us is not None or end_us is not None):  # clock mismatch: the whole trace
-        start_us = end_us = None
-        _, best_i = replay(None)
-        what = "in the whole trace (no event time fell in the window)"
-    if best_i < 0:
-        return "peak: no allocation recorded"
-    live, _ = replay(best_i)
-    return _grouped(f"peak {what} (trace event {best_i} of {len(trace)})", list(live.values()), top)
-
-
 def profiled(name: str):
     """Context manager: torch.profiler over the block when --profile is on; writes a kernel table."""
-    if PROFILE_DIR is None or (PROFILE_WHAT == "train" and not name.startswith("train")):
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
-
-    @contextlib.contextmanager
-    def run():
-        t = time.perf_counter()
-        with profile(activities=acts) as prof:
-            yield
-            if DEVICE == "cuda":
-                torch.cuda.synchronize()
-        wall = time.perf_counter() - t
-        ka = prof.key_averages()
-        key = "self_device_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
-        busy = sum(getattr(e, key, 0) for e in ka) / 1e6
-        head = f"===== {name}: wall {wall:.3f}s, summed self {'GPU' if DEVICE == 'cuda' else 'CPU'} time {busy:.3f}s"
-        text = "\n".join([head, ka.table(sort_by=key, row_limit=45, max_name_column_width=80),
-                          "by total time (ranges include their children):",
-                          ka.table(sort_by=key.replace("self_", ""), row_limit=25, max_name_column_width=80)])
-        PROFILE_DIR.mkdir(parents=True, exist_ok=True)
-        with (PROFILE_DIR / "profiles.txt").open("a") as f:
-            f.write(text + "\n\n")
-        print(text, flush=True)
-        if name == "step":  # one whole GRPO step as a Chrome/Perfetto trace, gzipped
-            import gzip
-            import shutil
-
-            raw = Path(tempfile.mkdtemp()) / "trace.json"
-            prof.export_chrome_trace(str(raw))
-            with raw.open("rb") as src, gzip.open(PROFILE_DIR / "trace-step.json.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-
-    return run()
+    return torch_profile.profiled(name, PROFILE_DIR, PROFILE_WHAT, DEVICE)
 
 
 def result(**kw) -> dict:
@@ -397,20 +301,41 @@ def bench_recipe(model_dir: Path, data: Path, work: Path, steps: int, rollout: d
 
 def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float,
                 overrides: list[str] | None = None, label: str = "embedded") -> None:
+    preset = SHAPE_PRESETS.get(SHAPE_NAME, [])
+    rec, runner = colocate_runner(model_dir, data, work, steps, preset + list(overrides or []))
+    rows = []
+    watch_train_step(runner, label)
+    work_of_step = []  # (response lengths, tokens the trainer runs on) of each step's trained groups
+    watch_log(runner, label, rows, work_of_step, rec.train_worker.share_prompts)
+    # the parameters the optimizer trains (all of them; with model.lora, the adapters alone)
+    trainable = sum(p.numel() for p in runner.worker.model.parameters() if p.requires_grad)
+    try:
+        runner.fit()
+    finally:
+        if MEMORY_DIR is not None:
+            torch.cuda.memory._record_memory_history(enabled=None)
+        runner.close()
+    rlcli_result(model_dir, rec.rollout.name, label, preset, overrides, rows, work_of_step, trainable, peak_tflops)
+
+
+def colocate_runner(model_dir: Path, data: Path, work: Path, steps: int, overrides: list[str]):
+    """The validated benchmark recipe (``overrides`` applied) and its ``ColocateRunner``; with
+    --memory, allocation stacks are recorded from before the model is built."""
     from rlcli.config import validate_recipe
     from rlcli.overrides import apply_overrides
     from rlcli.plugins import registry_with
     from rlcli.runner.colocate import ColocateRunner
 
-    preset = SHAPE_PRESETS.get(SHAPE_NAME, [])
     raw = bench_recipe(model_dir, data, work, steps)
-    raw = apply_overrides(raw, preset + list(overrides or []))
+    raw = apply_overrides(raw, overrides)
     rec = validate_recipe(raw, registry=registry_with(bench_plugin, *ENGINE_PLUGINS))
     if MEMORY_DIR is not None:  # from before the model is built: the trace holds every live block
         torch.cuda.memory._record_memory_history(max_entries=3_000_000)
-    runner = ColocateRunner(rec, quiet=True, overwrite=True)
-    rows = []
-    orig_log = runner.log
+    return rec, ColocateRunner(rec, quiet=True, overwrite=True)
+
+
+def watch_train_step(runner, label: str) -> None:
+    """Wrap the runner's train step: --profile profiles the fourth, --memory writes the third's peak."""
     orig_train = runner.worker.train_step
     calls = []
 
@@ -431,14 +356,17 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
 
     runner.worker.train_step = train_step
 
-    step_prof = []
 
-    work_of_step = []  # (response lengths, tokens the trainer runs on) of each step's trained groups
+def watch_log(runner, label: str, rows: list, work_of_step: list, share_prompts: bool) -> None:
+    """Wrap the runner's log: each step's metrics go to ``rows`` and its trained work to
+    ``work_of_step``; with --profile, the whole of step 3 of the embedded run is profiled."""
+    orig_log = runner.log
+    step_prof = []
 
     def log(step, metrics, groups=None):
         out = orig_log(step, metrics, groups)
         rows.append(out)
-        work_of_step.append(trained_work(groups or [], rec.train_worker.share_prompts))
+        work_of_step.append(trained_work(groups or [], share_prompts))
         if label == "embedded" and PROFILE_DIR is not None:  # --profile: the whole of step 3
             if step == 2:
                 step_prof.append(profiled("step"))
@@ -448,18 +376,21 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
         return out
 
     runner.log = log
-    # the parameters the optimizer trains (all of them; with model.lora, the adapters alone)
-    trainable = sum(p.numel() for p in runner.worker.model.parameters() if p.requires_grad)
-    try:
-        runner.fit()
-    finally:
-        if MEMORY_DIR is not None:
-            torch.cuda.memory._record_memory_history(enabled=None)
-        runner.close()
+
+
+def measured_rows(rows: list[dict], label: str) -> list[dict]:
+    """The steps that count: all but the warm-up, and but those --profile ran under the profiler."""
     measured = rows[1:]  # step 1 warms up (CUDA graphs, allocator)
     if PROFILE_DIR is not None:  # steps 3 (whole step) and 4 (train) may have run under the profiler
         skip = (1, 3, 4) if PROFILE_WHAT == "all" and label == "embedded" else (1, 4)
         measured = [r for i, r in enumerate(rows, 1) if i not in skip] or measured
+    return measured
+
+
+def rlcli_result(model_dir: Path, backend: str, label: str, preset: list[str], overrides: list[str] | None,
+                 rows: list[dict], work_of_step: list, trainable: int, peak_tflops: float) -> None:
+    """The RESULT of one rlcli run from its steps' metrics (``rows``) and trained work."""
+    measured = measured_rows(rows, label)
     step_s = [r["timing/step_s"] for r in measured]
     roll = [r["timing/rollout_s"] for r in measured]
     train = [r["timing/train_s"] for r in measured]
@@ -476,7 +407,7 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
         torch.cuda.synchronize()
     import lengths
 
-    result(what="rlcli", backend=rec.rollout.name, label=label, preset=preset, overrides=list(overrides or []),
+    result(what="rlcli", backend=backend, label=label, preset=preset, overrides=list(overrides or []),
            steps_measured=len(measured), response_lengths=lengths.length_stats(
                [n for w, _ in kept for n in w], max_new()), trained_tokens=tokens, trainable_params=trainable,
            step_s_median=round(statistics.median(step_s), 3), step_s_min=round(min(step_s), 3),
@@ -485,20 +416,29 @@ def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops
            gen_tok_per_s=round(gen, 0),
            train_mfu=round(flops / statistics.median(train) / (peak_tflops * 1e12), 3),
            sync_s_per_gb=round(statistics.median(sync) / gb, 4) if gb else None,
-           peak_gib=max((r.get(k, 0.0) for r in measured for k in ("memory/rollout_peak_gib", "memory/train_peak_gib")),
-                        default=None) if DEVICE == "cuda" else None,
-           rollout_peak_gib=max((r.get("memory/rollout_peak_gib", 0.0) for r in measured), default=None)
-           if DEVICE == "cuda" else None,
-           train_peak_gib=max((r.get("memory/train_peak_gib", 0.0) for r in measured), default=None)
-           if DEVICE == "cuda" else None,
-           # every step, warm-up and profiled ones included, so that an outlier can be placed
-           per_step=[{"step": i, "step_s": round(r["timing/step_s"], 3), "rollout_s": round(r["timing/rollout_s"], 3),
-                      "train_s": round(r["timing/train_s"], 3), "sync_s": round(r["timing/sync_s"], 4),
-                      **{k: round(r[f"timing/{k}"], 4) for k in ("sleep_s", "wake_up_s") if f"timing/{k}" in r},
-                      # the engine's own view of the rollout: time with work, scheduler steps, graphs captured
-                      **{k: round(r[f"engine/{k}"], 4) for k in ("busy_s", "steps", "cuda_graph_captures")
-                         if f"engine/{k}" in r},
-                      "measured": any(r is m for m in measured)} for i, r in enumerate(rows, 1)])
+           **memory_peaks(measured), per_step=per_step(rows, measured))
+
+
+def memory_peaks(measured: list[dict]) -> dict:
+    """peak_gib (rollout or train), rollout_peak_gib and train_peak_gib of the measured steps (None off CUDA)."""
+    return dict(
+        peak_gib=max((r.get(k, 0.0) for r in measured for k in ("memory/rollout_peak_gib", "memory/train_peak_gib")),
+                     default=None) if DEVICE == "cuda" else None,
+        rollout_peak_gib=max((r.get("memory/rollout_peak_gib", 0.0) for r in measured), default=None)
+        if DEVICE == "cuda" else None,
+        train_peak_gib=max((r.get("memory/train_peak_gib", 0.0) for r in measured), default=None)
+        if DEVICE == "cuda" else None)
+
+
+def per_step(rows: list[dict], measured: list[dict]) -> list[dict]:
+    """Every step, warm-up and profiled ones included, so that an outlier can be placed."""
+    return [{"step": i, "step_s": round(r["timing/step_s"], 3), "rollout_s": round(r["timing/rollout_s"], 3),
+             "train_s": round(r["timing/train_s"], 3), "sync_s": round(r["timing/sync_s"], 4),
+             **{k: round(r[f"timing/{k}"], 4) for k in ("sleep_s", "wake_up_s") if f"timing/{k}" in r},
+             # the engine's own view of the rollout: time with work, scheduler steps, graphs captured
+             **{k: round(r[f"engine/{k}"], 4) for k in ("busy_s", "steps", "cuda_graph_captures")
+                if f"engine/{k}" in r},
+             "measured": any(r is m for m in measured)} for i, r in enumerate(rows, 1)]
 
 
 def trained_work(groups, share_prompts: bool) -> tuple[list[int], int]:
@@ -527,104 +467,14 @@ def trl_row(model_dir: Path, steps: int, vllm: dict | None = None, label: str = 
     result(what="trl-vllm" if vllm is not None else "trl", label=label, **row)
 
 
-def versions() -> dict:
-    """trl, vllm (when installed) and the rlcli commit of this checkout (``git describe``)."""
-    import importlib.metadata
-    import subprocess
-
-    out = {}
-    for name in ("trl", "vllm"):
-        try:
-            out[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            out[name] = None
-    try:
-        out["rlcli_commit"] = subprocess.run(["git", "-C", str(REPO), "describe", "--always", "--dirty"],
-                                             capture_output=True, text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["rlcli_commit"] = None
-    return out
-
-
 def write_outputs(out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    import transformers
-
-    gpu = torch.cuda.get_device_name(0) if DEVICE == "cuda" else "CPU (smoke test)"
-    env = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "torch": torch.__version__,
-           "transformers": transformers.__version__, **versions(), "shape": SHAPE_NAME, "lengths": LENGTHS,
-           "tiny": DEVICE == "cpu"}
-    (out / "results.json").write_text(json.dumps({"env": env, "results": RESULTS}, indent=2))
-    by = {r["what"]: r for r in reversed(RESULTS) if "error" not in r}  # first result of each kind
-    variants = [r for r in RESULTS if r.get("what") == "rlcli" and "error" not in r]
-    lines = [f"{env['date']}, {env['gpu']}, torch {env['torch']}, transformers {env['transformers']}", "",
-             "| framework | step median (s) | min-max (s) | rollout (s) | train (s) | sync (s) | gen tok/s | MFU | peak GiB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for r in variants:
-        name = f"rlcli ({r.get('backend', 'embedded')})" if r.get("label", "embedded") == "embedded" else f"rlcli ({r['label']}: {' '.join(r['overrides'])})"
-        lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
-                     f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r['train_mfu']} | {r['peak_gib']} |")
-    for r in RESULTS:
-        if r.get("what") in ("trl", "trl-vllm") and "error" not in r:
-            name = f"TRL {r['version']}" + (f" + vLLM {r['vllm']} colocate ({r['label'] or 'default'})" if "vllm" in r else "")
-            lines.append(f"| {name} | {r['step_s_median']} | {r['step_s_min']}-{r['step_s_max']} | {r['rollout_s']} | "
-                         f"{r['train_s']} | {r['sync_s']} | {r['gen_tok_per_s']:.0f} | {r.get('train_mfu')} | {r['peak_gib']} |")
-    (out / "table.md").write_text("\n".join(lines) + "\n")
-    if "rlcli" in by:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        r = by["rlcli"]
-        fig, ax = plt.subplots(figsize=(6, 2.2))
-        left = 0.0
-        for key, color in (("rollout_s", "#4c72b0"), ("train_s", "#dd8452"), ("sync_s", "#55a868")):
-            ax.barh(["rlcli"], [r[key]], left=left, color=color, label=key[:-2])
-            left += r[key]
-        if "trl" in by:
-            ax.barh(["TRL"], [by["trl"]["step_s_median"]], color="#8172b3", label="TRL step")
-        ax.set_xlabel("seconds per GRPO step (median)")
-        ax.legend(loc="lower right", fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "split.png", dpi=120)
+    """results.json, table.md and split.png of this run's results into ``out`` (grpo_report.py)."""
+    grpo_report.write_outputs(out, RESULTS, DEVICE, SHAPE_NAME, LENGTHS)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    for flag in ("ceilings", "engine", "rlcli", "trl", "trl_vllm", "all"):
-        ap.add_argument(f"--{flag.replace('_', '-')}", action="store_true")
-    ap.add_argument("--trl-vllm-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                    help="one more TRL + vLLM colocate run with these GRPOConfig settings, e.g. "
-                    "nosleep:vllm_enable_sleep_mode=false,vllm_gpu_memory_utilization=0.5 (repeatable)")
-    ap.add_argument("--steps", type=int, default=5, help="GRPO steps per framework (the first is warm-up)")
-    ap.add_argument("--shape", default="0.5b", choices=[k for k in SHAPES if k != "tiny"],
-                    help="random-init Qwen2.5 shape of the model (with --tiny: the tiny model, this shape's presets)")
-    ap.add_argument("--lengths", default="full", choices=["full", "longtail"],
-                    help="full: 256 new tokens, EOS ignored; longtail: EOS on, geometric lengths of mean 256 cut at "
-                    "1024 (benchmarks/lengths.py)")
-    ap.add_argument("--model-cache", type=Path, metavar="DIR",
-                    help="keep the random-init model of a shape in DIR/<shape...> and reuse it (default: a temp dir)")
-    ap.add_argument("--label", default="embedded", help="label of the --rlcli run (its row in the table)")
-    ap.add_argument("--out", type=Path)
-    ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script, measures nothing")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="recipe override for the rlcli section (repeatable), e.g. train_worker.pack_max_length=4096")
-    ap.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                    help="one more rlcli run with these overrides (on top of --set), labelled NAME (repeatable)")
-    ap.add_argument("--engine-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                    help="one more engine run with these backend settings, e.g. compiled:compile=true (repeatable)")
-    ap.add_argument("--engine-plugin", action="append", default=[], choices=["vllm", "sglang", "lmdeploy"],
-                    help="register plugins/rlcli-<NAME> for the rlcli runs without installing it (repeatable); "
-                    "then e.g. --variant sglang:rollout.name=sglang,rollout.mem_fraction_static=0.3")
-    ap.add_argument("--profile", nargs="?", const="all", choices=["all", "train"],
-                    help="torch.profiler tables (into --out, else printed): 'all' = one engine call, one whole "
-                    "GRPO step and one train step; 'train' = the train step only (cheaper)")
-    ap.add_argument("--memory", action="store_true",
-                    help="record allocation stacks (slows the steps) and write, for the third train step of each rlcli "
-                    "run, what was allocated at its peak and what it leaves allocated (memory-train-<label>.txt, into --out)")
-    args = ap.parse_args()
-    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, PROFILE_DIR, MEMORY_DIR, SHAPE_NAME, LENGTHS, PEAK_TFLOPS
+def configure(args: argparse.Namespace) -> None:
+    """The work of this run (--shape, --lengths, --tiny) and the sections --all turns on."""
+    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, SHAPE_NAME, LENGTHS
     SHAPE_NAME, LENGTHS = args.shape, args.lengths
     SHAPE.clear()
     SHAPE.update(SHAPES["tiny" if args.tiny else args.shape])
@@ -634,55 +484,82 @@ def main() -> None:
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     if args.all:
         args.ceilings = args.engine = args.rlcli = args.trl = args.trl_vllm = True
-    root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
-    model_dir = prepare_model(root, args.model_cache)
-    data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
-    for name in args.engine_plugin:
+
+
+def load_engine_plugins(names: list[str]) -> None:
+    """--engine-plugin: import plugins/rlcli-<NAME> from this checkout for the rlcli runs."""
+    for name in names:
         import importlib
 
         sys.path.insert(0, str(REPO / "plugins" / f"rlcli-{name}"))
         ENGINE_PLUGINS.append(importlib.import_module(f"rlcli_{name}"))
+
+
+def configure_outputs(args: argparse.Namespace, ap: argparse.ArgumentParser, root: Path) -> None:
+    """Where --profile and --memory write (--out, else under ``root``), and what --profile covers."""
+    global PROFILE_DIR, MEMORY_DIR, PROFILE_WHAT
     if args.profile:
         PROFILE_DIR = args.out or (root / "profile")
     if args.memory:
         if DEVICE != "cuda":
             ap.error("--memory needs a CUDA device")
         MEMORY_DIR = args.out or (root / "memory")
-    global PROFILE_WHAT
     PROFILE_WHAT = args.profile or "all"
-    peak = PEAK_TFLOPS
-    sections = [("ceilings", lambda: ceilings()), ("engine", lambda: engine(model_dir)),
-                ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, peak, args.set, args.label))]
+
+
+def sections(args: argparse.Namespace, model_dir: Path, data: Path, root: Path) -> list:
+    """(name, function) of every section, in run order; rlcli runs read PEAK_TFLOPS (--ceilings sets it) then."""
+    out = [("ceilings", lambda: ceilings()), ("engine", lambda: engine(model_dir)),
+           ("rlcli", lambda: rlcli_steps(model_dir, data, root / "work", args.steps, PEAK_TFLOPS, args.set,
+                                         args.label))]
     for spec in args.engine_variant:
         label, _, sets = spec.partition(":")
         extra = [kv for kv in sets.split(",") if kv]
-        sections.insert(2, (f"engine:{label}", lambda label=label, extra=extra: engine(model_dir, extra, label)))
-    sections.append(("trl", lambda: trl_row(model_dir, args.steps)))  # same run as the main rlcli row
-    sections.append(("trl_vllm", lambda: trl_row(model_dir, args.steps, vllm={}, label="default")))
+        out.insert(2, (f"engine:{label}", lambda label=label, extra=extra: engine(model_dir, extra, label)))
+    out.append(("trl", lambda: trl_row(model_dir, args.steps)))  # same run as the main rlcli row
+    out.append(("trl_vllm", lambda: trl_row(model_dir, args.steps, vllm={}, label="default")))
     for spec in args.trl_vllm_variant:
         import grpo_trl
 
         label, settings = grpo_trl.parse_variant(spec)
-        sections.append((f"trl_vllm:{label}", lambda label=label, settings=settings: trl_row(
+        out.append((f"trl_vllm:{label}", lambda label=label, settings=settings: trl_row(
             model_dir, args.steps, vllm=settings, label=label)))
     for spec in args.variant:
         label, _, sets = spec.partition(":")
         extra = [kv for kv in sets.split(",") if kv]
-        sections.append((f"rlcli:{label}", lambda label=label, extra=extra: rlcli_steps(
-            model_dir, data, root / f"work-{label}", args.steps, peak, args.set + extra, label)))
-    for name, fn in sections:
+        out.append((f"rlcli:{label}", lambda label=label, extra=extra: rlcli_steps(
+            model_dir, data, root / f"work-{label}", args.steps, PEAK_TFLOPS, args.set + extra, label)))
+    return out
+
+
+def run_sections(args: argparse.Namespace, todo: list) -> None:
+    """Run the sections asked for; a failing one is a RESULT with its error, and the next one runs."""
+    global PEAK_TFLOPS
+    for name, fn in todo:
         if not getattr(args, name.split(":")[0]):
             continue
         try:
             t = time.perf_counter()
             value = fn()
             if name == "ceilings":
-                peak = PEAK_TFLOPS = value
+                PEAK_TFLOPS = value
             print(f"[{name}] done in {time.perf_counter() - t:.1f}s", flush=True)
         except Exception:
             result(what=name, error=traceback.format_exc()[-2000:])
         if args.out:  # after every section: a run cut short still leaves its results
             write_outputs(args.out)
+
+
+def main() -> None:
+    ap = grpo_args.build_parser([k for k in SHAPES if k != "tiny"])
+    args = ap.parse_args()
+    configure(args)
+    root = Path(tempfile.mkdtemp(prefix="grpo-bench-"))
+    model_dir = prepare_model(root, args.model_cache)
+    data = write_prompts(root / "prompts.jsonl", PROMPTS * (args.steps + 2))
+    load_engine_plugins(args.engine_plugin)
+    configure_outputs(args, ap, root)
+    run_sections(args, sections(args, model_dir, data, root))
 
 
 if __name__ == "__main__":

@@ -109,6 +109,20 @@ def trl_steps(model_dir: Path, steps: int, work: dict, vllm: dict | None = None)
     if getattr(trainer, "vllm_generation", None) is not None:
         trainer.vllm_generation.sync_weights = timed("sync", trainer.vllm_generation.sync_weights)
     trainer.train()
+    row = steps_row(times, split, made, work, startup)
+    if vllm is not None:
+        row["settings"] = {k: v for k, v in settings.items() if k.startswith("vllm_") or k == "generation_kwargs"}
+        row["vllm"] = __import__("vllm").__version__
+    if cuda:
+        free, total = torch.cuda.mem_get_info()
+        row["device_used_gib"] = round((total - free) / 2**30, 1)
+    del trainer, model
+    return row
+
+
+def steps_row(times: list[float], split: list[dict], made: list[list[int]], work: dict, startup: float) -> dict:
+    """The row's timings and work from the steps after the warm-up: step seconds (``times``), each
+    step's rollout and sync seconds (``split``) and completion lengths (``made``)."""
     measured = times[1:]
     med = statistics.median
     rollout = med(x["rollout_s"] for x in split[1:])
@@ -123,14 +137,7 @@ def trl_steps(model_dir: Path, steps: int, work: dict, vllm: dict | None = None)
                train_s=round(med(t - x["rollout_s"] - x["sync_s"] for t, x in zip(measured, split[1:])), 3),
                gen_tok_per_s=round(med(sum(m) / x["rollout_s"] for m, x in zip(made[1:len(times)], split[1:])), 0),
                completion_lengths=lens, trained_tokens=tokens,
-               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None)
-    if vllm is not None:
-        row["settings"] = {k: v for k, v in settings.items() if k.startswith("vllm_") or k == "generation_kwargs"}
-        row["vllm"] = __import__("vllm").__version__
-    if cuda:
-        free, total = torch.cuda.mem_get_info()
-        row["device_used_gib"] = round((total - free) / 2**30, 1)
-    del trainer, model
+               peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if work["device"] == "cuda" else None)
     return row
 
 
