@@ -75,8 +75,8 @@ from race_common import GROUP, KV_SHARE  # noqa: E402
 from race_report import curve_from_evals, report  # noqa: E402
 
 # rlcli_registry, trl_config and watch_logits_processors are imported for the tests (lr.<name>)
-from race_rlcli import rlcli_child, rlcli_recipe, rlcli_registry, rlcli_result  # noqa: E402,F401
-from race_trl import trl_child, trl_config, watch_logits_processors  # noqa: E402,F401
+from race_rlcli import rlcli_child, rlcli_recipe, rlcli_result  # noqa: E402
+from race_trl import trl_child  # noqa: E402
 from race_warmstart import warmstart  # noqa: E402
 
 FRAMEWORKS = ("rlcli", "rlcli-async", "rlcli-vllm", "rlcli-sglang", "rlcli-lmdeploy", "trl", "trl-vllm")

@@ -17,8 +17,7 @@ stopping rule) and ``heldout.jsonl`` (the RL runs' evaluation, never seen by any
 
 The rest of the race's set-up lives beside this file: the tokenizer in ``race_tokenizer.py``, the
 model and its greedy evaluation in ``race_model.py``, the warm start in ``race_warmstart.py``. The
-report (time to target, ``race.md``, ``race.png``) is ``race_report.py``; its functions are
-importable from here too.
+report (time to target, ``race.md``, ``race.png``) is ``race_report.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +28,6 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from race_report import curve_from_evals, report, time_to_target  # noqa: F401 (re-exported)
 
 HELDOUT_MOD = 10
 DATA_SOURCE = "race/addition"

@@ -19,7 +19,10 @@ SCRIPT = REPO / "benchmarks" / "learning_race.py"
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import learning_race as lr  # noqa: E402
+import race_report  # noqa: E402
+import race_rlcli  # noqa: E402
 import race_task as rt  # noqa: E402
+import race_trl  # noqa: E402
 
 slow = pytest.mark.slow  # every test that needs the race fixture (~45 s on a 2-core CPU)
 
@@ -61,12 +64,12 @@ def test_task_format_and_disjoint_splits():
 def test_time_to_target_and_report(tmp_path):
     curve = [{"step": 0, "seconds": 10.0, "accuracy": 0.3}, {"step": 10, "seconds": 30.0, "accuracy": 0.5},
              {"step": 20, "seconds": 50.0, "accuracy": 0.9}]
-    assert rt.time_to_target(curve, 0.7) == pytest.approx(40.0)  # linear between 30 s (0.5) and 50 s (0.9)
-    assert rt.time_to_target(curve, 0.2) == 10.0 and rt.time_to_target(curve, 0.95) is None
+    assert race_report.time_to_target(curve, 0.7) == pytest.approx(40.0)  # linear between 30 s (0.5) and 50 s (0.9)
+    assert race_report.time_to_target(curve, 0.2) == 10.0 and race_report.time_to_target(curve, 0.95) is None
     evals = [{"step": 0, "accuracy": 0.3, "wall": 20.0, "eval_s": 12.0},  # a cold first evaluation (compilation)
              {"step": 1, "accuracy": 0.4, "wall": 30.0, "eval_s": 2.0}, {"step": 2, "accuracy": 0.5, "wall": 40.0,
                                                                           "eval_s": 2.0}]
-    assert [p["seconds"] for p in rt.curve_from_evals(evals)] == [18.0, 26.0, 34.0]  # first charged 2 s, not 12
+    assert [p["seconds"] for p in race_report.curve_from_evals(evals)] == [18.0, 26.0, 34.0]  # first charged 2 s, not 12
 
     def run(fw: str, seed: int, scale: float) -> dict:
         return {"kind": "learning_race_run", "framework": fw, "seed": seed, "target": 0.7, "exit_code": 0,
@@ -76,7 +79,7 @@ def test_time_to_target_and_report(tmp_path):
     for r in (run("rlcli", 0, 1.0), run("rlcli", 1, 1.1), run("trl", 0, 3.0), run("trl-vllm", 0, 2.0)):
         (tmp_path / f"{r['framework']}-seed{r['seed']}.json").write_text(json.dumps(r))
     (tmp_path / "unrelated.json").write_text("{}")
-    text = rt.report([tmp_path], tmp_path / "rep")
+    text = race_report.report([tmp_path], tmp_path / "rep")
     assert "speed-up of rlcli's best (rlcli, 40.0 s) over trl (120.0 s): **3.00x**" in text
     assert "over trl-vllm (80.0 s): **2.00x**" in text
     assert "run-to-run noise, rlcli, 2 runs: time to target 40.0-44.0 s" in text
@@ -90,7 +93,7 @@ def test_time_to_target_and_report(tmp_path):
     nc = {**run("rlcli", 0, 0.5), "settings": {"prompts": 4, "group": 8, "rlcli_set": ["rollout.compile=false"]}}
     (other / "rlcli-seed0.json").write_text(json.dumps(nc))
     (other / "trl-seed0.json").write_text(json.dumps(run("trl", 0, 2.0)))
-    merged = rt.report([tmp_path, other], tmp_path / "merged")
+    merged = race_report.report([tmp_path, other], tmp_path / "merged")
     assert "| rlcli [rollout.compile=false] <call-b> | 0 |" in merged
     assert ("call-b, seed 0: speed-up of rlcli's best (rlcli [rollout.compile=false], 20.0 s) over trl (80.0 s): "
             "**4.00x**") in merged
@@ -102,7 +105,7 @@ def test_watch_logits_processors_drops_truncation(tiny_llama):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama))
-    seen = lr.watch_logits_processors(model)
+    seen = race_trl.watch_logits_processors(model)
     torch.manual_seed(0)
     model.generate(torch.tensor([[5, 6, 7]]), do_sample=True, top_k=5, top_p=0.9, max_new_tokens=2, pad_token_id=0)
     assert "removed:TopKLogitsWarper" in seen and "removed:TopPLogitsWarper" in seen
@@ -183,7 +186,7 @@ def test_engine_plugin_recipes_validate(race, engine):
     raw = lr.rlcli_recipe(f"rlcli-{engine}", spec)
     assert raw["rollout"]["name"] == engine and lr.KV_SHARE in raw["rollout"].values()
     try:
-        validate_recipe(raw, registry=lr.rlcli_registry(raw))
+        validate_recipe(raw, registry=race_rlcli.rlcli_registry(raw))
     except RecipeError as exc:
         problems = [line for line in str(exc).splitlines() if line.strip().startswith("- ")]
         assert len(problems) == 1 and "not installed" in problems[0], str(exc)
@@ -214,7 +217,7 @@ def test_trl_run(race):
     assert r["logprob_gap_mean"] > 0 and "race hook" in r["gap_metric"]  # the hook, fed zeros for vLLM's logprobs
     assert r["versions"]["trl"] and len(r["logs"]) == 2 and "reward" in r["logs"][0]
     spec = json.loads((race["root"] / "work" / "runs" / "trl-seed0" / "spec.json").read_text())
-    cfg = lr.trl_config(spec, vllm=True)
+    cfg = race_trl.trl_config(spec, vllm=True)
     completions = spec["settings"]["prompts"] * 8
     assert cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps == completions
     assert cfg.steps_per_generation == cfg.gradient_accumulation_steps and cfg.num_iterations == 1

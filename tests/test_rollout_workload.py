@@ -65,12 +65,13 @@ def test_workload_counts_over_sampling_shards_and_the_largest_eval_task(repo):
 
 
 def test_kv_shape_reads_the_model_config_and_fills_in_head_dim():
-    shape = kv_shape_from_config({"num_hidden_layers": 3, "num_attention_heads": 8, "hidden_size": 256})
+    shape = kv_shape_from_config(SimpleNamespace(num_hidden_layers=3, num_attention_heads=8, hidden_size=256))
     assert shape == KVShape(layers=3, kv_heads=8, head_dim=32)  # no kv heads: MHA; head_dim = 256 / 8
     assert shape.bytes_per_token(2) == 2 * 3 * 8 * 32 * 2
-    multimodal = {"text_config": {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
-                                  "head_dim": 128, "hidden_size": 512}}
-    assert kv_shape_from_config(multimodal) == KVShape(layers=2, kv_heads=2, head_dim=128)
+    # GQA with an explicit head_dim (a multimodal model's text config: read_model_info passes get_text_config())
+    gqa = SimpleNamespace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                          hidden_size=512)
+    assert kv_shape_from_config(gqa) == KVShape(layers=2, kv_heads=2, head_dim=128)
 
 
 def test_model_info_carries_the_kv_shape_of_the_served_model(tmp_path):

@@ -55,20 +55,13 @@ class KVShape:
 
 
 def kv_shape_from_config(cfg: Any) -> KVShape:
-    """The KV shape of a Hugging Face decoder from its config: a ``config.json`` mapping (a
-    multimodal config's ``text_config`` is used) or a transformers config object (pass its text
-    config). ``num_key_value_heads`` defaults to ``num_attention_heads`` and ``head_dim`` to
-    ``hidden_size // num_attention_heads``."""
-    if isinstance(cfg, dict):
-        cfg = cfg.get("text_config") or cfg
-        get = cfg.get
-    else:
-        def get(key: str) -> Any:
-            return getattr(cfg, key, None)
-    heads = int(get("num_attention_heads"))
-    kv_heads = int(get("num_key_value_heads") or heads)
-    head_dim = int(get("head_dim") or int(get("hidden_size")) // heads)
-    return KVShape(layers=int(get("num_hidden_layers")), kv_heads=kv_heads, head_dim=head_dim)
+    """The KV shape of a decoder from its transformers (text) config: ``num_key_value_heads``
+    defaults to ``num_attention_heads`` and ``head_dim`` to ``hidden_size // num_attention_heads``.
+    Raises TypeError when the config has no head or layer counts."""
+    heads = int(getattr(cfg, "num_attention_heads", None))
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or int(getattr(cfg, "hidden_size", None)) // heads)
+    return KVShape(layers=int(getattr(cfg, "num_hidden_layers", None)), kv_heads=kv_heads, head_dim=head_dim)
 
 
 @dataclass(frozen=True)
