@@ -36,6 +36,10 @@ run
 
     Then three GRPO steps (``runner.fit()``: rollout, sleep, train, weight sync, wake up), the
     recipe of ``grpo_step.py`` (reward = response length mod 7, lr 1e-6).
+
+    The engine's rollout config is ``max_batch_size`` 512, ``max_model_len`` 512 and a 0.35 memory
+    share; ``--run-set KEY=VALUE`` (repeatable) tunes it for the workload (concurrency, CUDA-graph
+    batch sizes, chunked prefill: ``engine_kwargs.*``), and the bare path drives the same engine.
 conformance
     Every check of ``rlcli.testing.backend_conformance`` on two tiny qwen2 models (hidden 256,
     head dim 64, as engines' attention kernels want), with the engine's tolerances, each check
@@ -122,6 +126,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kit-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend setting of the conformance kit's engines, on top of the script's (repeatable; "
                          "dotted keys, YAML values), e.g. engine_kwargs.disable_radix_cache=true")
+    ap.add_argument("--run-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a rollout setting of the run section's engine on top of the script's (repeatable; dotted "
+                         "keys, YAML values): the engine tuned for the workload, through rlcli and bare alike, "
+                         "e.g. engine_kwargs.cuda_graph_max_bs=512 or use_request_seeds=false")
     ap.add_argument("--kit-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="for --sections copies: one kit engine per variant, with these settings on top of "
                          "--kit-set (repeatable; 'NAME:' for none), e.g. no_radix:engine_kwargs.disable_radix_cache=true")
@@ -156,6 +164,7 @@ def apply_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     common.DEADLINE_S = args.deadline_s
     common.CHECKS[:] = [c.strip() for c in args.checks.split(",") if c.strip()]
     common.KIT_SET[:] = args.kit_set
+    common.RUN_SET[:] = args.run_set
     try:
         common.KIT_VARIANTS[:] = [parse_variant(v) for v in args.kit_variant]
     except ValueError as exc:
@@ -192,7 +201,8 @@ def environment(engine: str, sections: list[str]) -> dict:
     return {"date": time.strftime("%Y-%m-%d"), "engine": engine, "engine_version": engine_version(engine),
             "device": torch.cuda.get_device_name(0) if gs.DEVICE == "cuda" else "CPU (smoke test)",
             "torch": torch.__version__, "transformers": transformers.__version__, "commit": commit,
-            "sections": sections, **({"kit_set": list(common.KIT_SET)} if common.KIT_SET else {})}
+            "sections": sections, **({"kit_set": list(common.KIT_SET)} if common.KIT_SET else {}),
+            **({"run_set": list(common.RUN_SET)} if common.RUN_SET else {})}
 
 
 def run_sections(engine: str, sections: list[str], root: Path) -> None:

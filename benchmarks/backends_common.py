@@ -30,6 +30,7 @@ START = time.monotonic()
 DEADLINE_S = 540.0
 CHECKS: list[str] = []  # --checks: the conformance checks to run; empty: all
 KIT_SET: list[str] = []  # --kit-set: KEY=VALUE settings of the kit engines' backend config
+RUN_SET: list[str] = []  # --run-set: KEY=VALUE settings of the run section's rollout config (the tuned engine)
 KIT_VARIANTS: list[tuple[str, list[str]]] = []  # --kit-variant NAME:KEY=VALUE,...: the copies section's engines
 HOST_PROFILE: Path | None = None  # --host-profile: write the engine thread's profiles here
 

@@ -22,13 +22,17 @@ from backends_throughput import host_profile, paired_ratio, throughput, workload
 
 
 def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
+    """The run section's rollout config of ``engine``, with ``--run-set`` applied on top."""
+    from rlcli.overrides import apply_overrides
+
     shared = {"max_model_len": 512, "max_batch_size": sequences}
-    return {
+    base = {
         "embedded": {"name": "embedded", **shared},
         "vllm": {"name": "vllm", "gpu_memory_utilization": 0.35, **shared},
         "sglang": {"name": "sglang", "mem_fraction_static": 0.35, **shared},
         "lmdeploy": {"name": "lmdeploy", "cache_max_entry_count": 0.35, **shared},
     }[engine]
+    return apply_overrides(base, common.RUN_SET)
 
 
 def section_run(engine: str, root: Path) -> None:

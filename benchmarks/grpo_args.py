@@ -11,6 +11,8 @@ def build_parser(shapes: list[str]) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     for flag in ("ceilings", "engine", "rlcli", "trl", "trl_vllm", "all"):
         ap.add_argument(f"--{flag.replace('_', '-')}", action="store_true")
+    ap.add_argument("--trl-vllm-tuned", action="store_true",
+                    help="a TRL + vLLM colocate run with grpo_trl.TRL_VLLM_TUNED (for this --shape) on top")
     ap.add_argument("--trl-vllm-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
                     help="one more TRL + vLLM colocate run with these GRPOConfig settings, e.g. "
                     "nosleep:vllm_enable_sleep_mode=false,vllm_gpu_memory_utilization=0.5 (repeatable)")

@@ -23,7 +23,9 @@ Sections:
   --trl       TRL GRPOTrainer (transformers generate) on the same work, step times split into
               rollout / sync / the rest, generated tok/s, MFU of the rest, peak memory
   --trl-vllm  TRL GRPOTrainer with vLLM in colocate mode (grpo_trl.TRL_VLLM settings), same work;
-              --trl-vllm-variant NAME:KEY=VALUE,... adds a run with other GRPOConfig settings
+              --trl-vllm-tuned adds a run with grpo_trl.TRL_VLLM_TUNED on top (sleep mode and the
+              importance-sampling pass off); --trl-vllm-variant NAME:KEY=VALUE,... a run with other
+              GRPOConfig settings
 Each section prints `RESULT {json}` lines; `--out DIR` also writes results.json, table.md and
 split.png. A failing section prints its exact error and the others still run. `--profile` adds
 torch.profiler tables; `--memory` writes, for the third train step of each rlcli run, what was
@@ -483,7 +485,7 @@ def configure(args: argparse.Namespace) -> None:
         args.ceilings = False
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     if args.all:
-        args.ceilings = args.engine = args.rlcli = args.trl = args.trl_vllm = True
+        args.ceilings = args.engine = args.rlcli = args.trl = args.trl_vllm = args.trl_vllm_tuned = True
 
 
 def load_engine_plugins(names: list[str]) -> None:
@@ -518,11 +520,13 @@ def sections(args: argparse.Namespace, model_dir: Path, data: Path, root: Path) 
         out.insert(2, (f"engine:{label}", lambda label=label, extra=extra: engine(model_dir, extra, label)))
     out.append(("trl", lambda: trl_row(model_dir, args.steps)))  # same run as the main rlcli row
     out.append(("trl_vllm", lambda: trl_row(model_dir, args.steps, vllm={}, label="default")))
-    for spec in args.trl_vllm_variant:
-        import grpo_trl
+    import grpo_trl
 
+    out.append(("trl_vllm_tuned", lambda: trl_row(model_dir, args.steps, vllm=grpo_trl.tuned_settings(SHAPE_NAME),
+                                                  label="tuned")))
+    for spec in args.trl_vllm_variant:  # run with or without --trl-vllm
         label, settings = grpo_trl.parse_variant(spec)
-        out.append((f"trl_vllm:{label}", lambda label=label, settings=settings: trl_row(
+        out.append((f"trl_vllm_variant:{label}", lambda label=label, settings=settings: trl_row(
             model_dir, args.steps, vllm=settings, label=label)))
     for spec in args.variant:
         label, _, sets = spec.partition(":")

@@ -31,6 +31,26 @@ TRL_VLLM = {
     "vllm_enable_sleep_mode": True,
 }
 
+# The TRL + vLLM row a user tuning for speed would run (issue 32), on top of TRL_VLLM:
+# - vllm_enable_sleep_mode off: TRL otherwise puts vLLM to sleep at level 2 after every generation
+#   (weights and KV cache released) and wakes it before the next; the 0.5B-3B shapes fit without it.
+# - vllm_importance_sampling_correction off: TRL otherwise runs one more forward pass over the batch
+#   (old logprobs) to correct for vLLM's sampling; rlcli's benchmark recipe has no such correction
+#   (rollout_is unset), so both run the same algorithm.
+# vLLM's own settings inside TRL stay TRL's: max_num_seqs = the generation batch (512 here, one
+# wave), CUDA graphs and torch.compile on (vLLM's defaults), gpu_memory_utilization 0.3.
+TRL_VLLM_TUNED = {"vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": False}
+# shapes whose training and vLLM engine do not fit on one H200 together: keep sleep mode
+TUNED_SLEEP_SHAPES = {"7b"}
+
+
+def tuned_settings(shape: str) -> dict:
+    """TRL_VLLM_TUNED for a model shape (sleep mode kept where the engine must make room)."""
+    out = dict(TRL_VLLM_TUNED)
+    if shape in TUNED_SLEEP_SHAPES:
+        out["vllm_enable_sleep_mode"] = True
+    return out
+
 
 def trl_config_kwargs(work: dict, steps: int, vllm: dict | None) -> dict:
     """GRPOConfig keyword arguments for ``work`` (prompts, k, new, prompt_len, device) and ``steps``."""

@@ -12,7 +12,8 @@ every run starts with the GPU's memory free. The random-init model of a shape is
 Runs (``--plan`` lists them with their arguments):
   <shape>-<lengths>-rlcli        rlcli, embedded engine, sync production, the HEADLINE settings
   <shape>-longtail-rlcli-async   the same with the async produce strategy (ASYNC): issue acceptance 5
-  <shape>-<lengths>-trl-vllm     TRL GRPOTrainer + vLLM colocate (grpo_trl.TRL_VLLM)
+  <shape>-<lengths>-trl-vllm     TRL GRPOTrainer + vLLM colocate, tuned (grpo_trl.TRL_VLLM_TUNED)
+  0.5b-full-trl-vllm-default     the same with the settings first measured (grpo_trl.TRL_VLLM only)
   <shape>-<lengths>-trl          TRL GRPOTrainer with transformers generate (0.5b, 1.5b only)
   0.5b-full-rlcli-lora           LoRA r 16, alpha 32 against full fine-tuning (issue 30, acceptance 3)
   0.5b-full-rlcli-kl[-refoffload] the KL penalty, without and with the reference model in CPU memory
@@ -48,6 +49,7 @@ import grpo_step as gs  # noqa: E402  (shapes and presets)
 
 SHAPE_ORDER = ["0.5b", "1.5b", "3b", "7b"]
 TRL_GENERATE_SHAPES = {"0.5b", "1.5b"}  # transformers generate at 3b/7b takes minutes a step
+TRL_DEFAULT_SHAPES = {"0.5b"}  # TRL + vLLM with the untuned settings too (grpo_trl.TRL_VLLM), for reference
 # every rlcli run: the fastest configuration measured on the 0.5b work (docs/benchmarks.md, headline)
 HEADLINE = ["train_worker.fsdp.torch_compile=true", "train_worker.fsdp.activation_memory_budget=0.0",
             "train_worker.pack_max_length=65536", "train_worker.logprob_chunk_size=4096",
@@ -95,7 +97,11 @@ def plan_runs() -> list[Run]:
             if lengths == "longtail":
                 runs.append(rlcli_run(f"{base}-rlcli-async", shape, lengths, "rlcli async", ASYNC))
             slow = shape in ("3b", "7b")
-            runs.append(Run(f"{base}-trl-vllm", shape, lengths, "TRL + vLLM colocate", ["--trl-vllm"], 3 if slow else 5))
+            runs.append(Run(f"{base}-trl-vllm", shape, lengths, "TRL + vLLM colocate, tuned", ["--trl-vllm-tuned"],
+                            3 if slow else 5))
+            if shape in TRL_DEFAULT_SHAPES and lengths == "full":
+                runs.append(Run(f"{base}-trl-vllm-default", shape, lengths, "TRL + vLLM colocate, TRL_VLLM",
+                                ["--trl-vllm"]))
             if shape in TRL_GENERATE_SHAPES:
                 runs.append(Run(f"{base}-trl", shape, lengths, "TRL generate", ["--trl"]))
         runs += [rlcli_run(rid, *spec) for rid, spec in EXTRAS.items() if spec[0] == shape]
@@ -112,20 +118,21 @@ def n_params(shape: str) -> float:
 
 def estimate_s(run: Run, cold: bool = True) -> float:
     """Rough seconds of a run: process start, the model build (``cold``), start-up, steps. Scaled from
-    the 0.5b figures (rlcli 0.63 s rollout + 1.08 s train, TRL 8 s, TRL + vLLM 10 s per step) by the
-    parameter count; the long tail's rollout ×2.5 sync (the batch waits for its longest response),
-    ×1.2 async, TRL ×3 (generate) and ×1.5 (vLLM); 7b's CPU offload +10 s a step (guesses)."""
+    the 0.5b figures (rlcli 0.63 s rollout + 1.08 s train, TRL 8 s per step) by the parameter count;
+    TRL + vLLM from its measured 9.3 s (0.5b) and 9.5 s (1.5b) a step and ~110 s of start-up; the
+    long tail's rollout ×2.5 sync (the batch waits for its longest response), ×1.2 async, TRL ×3
+    (generate) and ×1.5 (vLLM); 7b's CPU offload +10 s a step (guesses)."""
     r = n_params(run.shape) / n_params("0.5b")
     tail = run.lengths == "longtail"
     build = (10 + 12 * r / 2) if cold else 0.0  # random init + safetensors write
     if run.args[0] == "--rlcli":
         roll = 0.63 * r ** 0.7 * ((1.2 if "async" in run.id else 2.5) if tail else 1.0)
         offload = 10.0 if any("cpu_offload=true" in kv for kv in run.extra) else 0.0
-        step, start, n = roll + 1.08 * r + offload, 40 + 4 * r, run.steps
+        step, start, n = roll + 1.08 * r + offload, 60 + 4 * r, run.steps
     elif run.args[0] == "--trl":
         step, start, n = 8 * r ** 0.8 * (3 if tail else 1), 15 + 3 * r, run.steps + 1
     else:
-        step, start, n = 10 * r ** 0.8 * (1.5 if tail else 1), 60 + 4 * r, run.steps + 1
+        step, start, n = 9.3 * r ** 0.3 * (1.5 if tail else 1), 100 + 4 * r, run.steps + 1
     return round(15 + build + start + n * step)
 
 
@@ -271,7 +278,8 @@ def ratios(records: list[dict]) -> list[str]:
         for lengths in ("full", "longtail"):
             base = f"{shape}-{lengths}"
             mine = step.get(f"{base}-rlcli")
-            for other, name in ((f"{base}-trl-vllm", "TRL + vLLM"), (f"{base}-trl", "TRL generate")):
+            for other, name in ((f"{base}-trl-vllm", "TRL + vLLM tuned"), (f"{base}-trl-vllm-default", "TRL + vLLM"),
+                                (f"{base}-trl", "TRL generate")):
                 if mine and step.get(other):
                     out.append(f"- {base}: rlcli {mine} s, {name} {step[other]} s: **{step[other] / mine:.2f}×**")
             if mine and step.get(f"{base}-rlcli-async"):

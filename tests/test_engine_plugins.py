@@ -544,3 +544,17 @@ def test_benchmark_kit_set_reaches_the_kit_engines_config(bench, monkeypatch):
     monkeypatch.setattr(bench.common, "KIT_SET", ["no_such_setting=1"])
     with pytest.raises(pydantic.ValidationError, match="no_such_setting"):
         bench.conformance_setup("sglang", "cpu")
+
+
+def test_benchmark_run_set_tunes_the_run_sections_engine(bench, monkeypatch):
+    """``--run-set``: the run section's rollout config with the tuned settings on top (dotted keys, YAML values)."""
+    import backends_run
+
+    monkeypatch.setattr(bench.common, "RUN_SET", ["engine_kwargs.cuda_graph_max_bs=512", "use_request_seeds=false",
+                                                  "mem_fraction_static=0.5"])
+    cfg = backends_run.run_rollout_config("sglang", 512)
+    assert cfg == {"name": "sglang", "mem_fraction_static": 0.5, "max_model_len": 512, "max_batch_size": 512,
+                   "engine_kwargs": {"cuda_graph_max_bs": 512}, "use_request_seeds": False}
+    monkeypatch.setattr(bench.common, "RUN_SET", [])
+    assert backends_run.run_rollout_config("embedded", 8) == {"name": "embedded", "max_model_len": 512,
+                                                              "max_batch_size": 8}

@@ -70,7 +70,23 @@ def test_merge_keeps_results_and_the_table_states_ratios(tmp_path):
     assert [r["id"] for r in recs] == ["0.5b-full-rlcli", "0.5b-full-trl-vllm", "0.5b-longtail-rlcli",
                                        "0.5b-longtail-rlcli-async", "7b-full-rlcli"]
     text = sw.table(recs)
-    assert "rlcli 2.0 s, TRL + vLLM 10.0 s: **5.00×**" in text
+    assert "rlcli 2.0 s, TRL + vLLM tuned 10.0 s: **5.00×**" in text
     assert "async 4.0 s against sync 6.0 s: **1.50×**" in text
     assert "ValueError: boom" in text and "2026-12-05" in text
     assert json.loads((b / "sweep-results.json").read_text())["runs"][0]["id"] == "0.5b-full-rlcli"
+
+
+def test_tuned_trl_vllm_row_states_its_settings():
+    import grpo_trl
+
+    work = dict(prompts=64, k=8, new=256, prompt_len=64, device="cpu", lengths="full")
+    kw = grpo_trl.trl_config_kwargs(work, 3, grpo_trl.tuned_settings("0.5b"))
+    # the tuned row: TRL_VLLM with sleep mode and the importance-sampling pass off, full lengths forced
+    assert (kw["use_vllm"], kw["vllm_mode"], kw["vllm_gpu_memory_utilization"]) == (True, "colocate", 0.3)
+    assert kw["vllm_enable_sleep_mode"] is False and kw["vllm_importance_sampling_correction"] is False
+    assert kw["generation_kwargs"] == {"ignore_eos": True} and kw["vllm_max_model_length"] == 320
+    assert grpo_trl.tuned_settings("7b")["vllm_enable_sleep_mode"] is True  # the engine makes room to train
+    assert "generation_kwargs" not in grpo_trl.trl_config_kwargs(dict(work, lengths="longtail"), 3, {})
+    rows = {r.id: r for r in sw.plan_runs()}
+    assert rows["0.5b-full-trl-vllm"].args == ["--trl-vllm-tuned"]
+    assert rows["0.5b-full-trl-vllm-default"].args == ["--trl-vllm"] and "7b-full-trl-vllm-default" not in rows

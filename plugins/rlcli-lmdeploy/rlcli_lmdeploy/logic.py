@@ -108,13 +108,14 @@ def memory_kwargs(cfg: Any, kv: Any = None) -> dict[str, Any]:
 
 
 def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | None = None,
-                         memory: dict[str, Any] | None = None) -> dict[str, Any]:
+                         memory: dict[str, Any] | None = None, max_batch_size: int | None = None) -> dict[str, Any]:
     """``lmdeploy.PytorchEngineConfig`` keyword arguments for the plugin's config and a run.
 
     ``session_len`` is the model's context (``max_position_embeddings``), used when the
     ``max_model_len`` option is unset: LMDeploy's ``Engine`` (unlike its ``pipeline``) does not
     read it from the model and would otherwise allow as many tokens as the KV cache holds.
-    ``memory``: from :func:`memory_kwargs` (default: those of a config without a KV budget).
+    ``memory``: from :func:`memory_kwargs` (default: those of a config without a KV budget);
+    ``max_batch_size``: the run's (default: the config's).
     """
     kw: dict[str, Any] = dict(
         dtype=dtype_name(dtype),
@@ -129,8 +130,9 @@ def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | Non
     kw.update(memory if memory is not None else memory_kwargs(cfg))
     if (cfg.max_model_len or session_len) is not None:
         kw["session_len"] = int(cfg.max_model_len or session_len)
-    if cfg.max_batch_size is not None:
-        kw["max_batch_size"] = cfg.max_batch_size
+    batch = max_batch_size if max_batch_size is not None else cfg.max_batch_size
+    if batch is not None:
+        kw["max_batch_size"] = int(batch)
     kw.update(cfg.engine_kwargs)
     # LMDeploy zeroes the embedding row of the config's pad_token_id whenever it loads weights
     # (start-up and every update); with tied embeddings that row is also the LM head's, so the

@@ -309,7 +309,10 @@ def test_auto_sizes_the_kv_cache_from_the_workload_and_a_share_goes_through(tiny
     # 37 tokens = 1 block of 64 per sequence; +10 %; + LMDeploy's reserved block
     assert config.num_gpu_blocks == 40 + 4 + 1 and config.cache_max_entry_count == 0.8  # LMDeploy's default
     assert served == 512  # the cache holds a whole max_model_len sequence: session_len is not cut
+    assert config.max_batch_size == 40  # the recipe's sequences in flight decode in one wave
     # max_batch_size bounds the sequences in flight; one max_model_len (512 = 8 blocks) sequence is the floor
-    assert engine_config(max_batch_size=2)[0].num_gpu_blocks == 9 + 1 + 1
+    bounded = engine_config(max_batch_size=2)[0]
+    assert bounded.num_gpu_blocks == 9 + 1 + 1 and bounded.max_batch_size == 2
     explicit, _ = engine_config(cache_max_entry_count=0.3)
     assert explicit.cache_max_entry_count == 0.3 and explicit.num_gpu_blocks == 0
+    assert explicit.max_batch_size == 40

@@ -126,9 +126,10 @@ def memory_kwargs(cfg: Any, kv: Any = None) -> dict[str, Any]:
 
 
 def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gpu_id: int,
-                  memory: dict[str, Any] | None = None) -> dict[str, Any]:
+                  memory: dict[str, Any] | None = None, max_batch_size: int | None = None) -> dict[str, Any]:
     """``sglang.Engine`` (``ServerArgs``) keyword arguments for the plugin's config and a run
-    (``memory``: from :func:`memory_kwargs`; default: those of a config without a KV budget)."""
+    (``memory``: from :func:`memory_kwargs`; default: those of a config without a KV budget;
+    ``max_batch_size``: the run's, default the config's)."""
     kw: dict[str, Any] = dict(
         model_path=str(model_dir),
         skip_tokenizer_init=True,
@@ -145,8 +146,9 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
     kw.update(memory if memory is not None else memory_kwargs(cfg))
     if cfg.max_model_len is not None:
         kw["context_length"] = cfg.max_model_len
-    if cfg.max_batch_size is not None:
-        kw["max_running_requests"] = cfg.max_batch_size
+    batch = max_batch_size if max_batch_size is not None else cfg.max_batch_size
+    if batch is not None:
+        kw["max_running_requests"] = int(batch)
     if cfg.use_request_seeds:
         # SGLang reads `sampling_seed` only in deterministic mode (which also picks the pytorch sampler)
         kw["enable_deterministic_inference"] = True

@@ -220,7 +220,10 @@ def test_auto_sizes_the_kv_pool_from_the_workload_and_a_share_goes_through(tiny_
     kw = engine_kw()
     assert kw["max_total_tokens"] == 40 * 37 + 148  # pages of 1 token; +10 %
     assert kw["mem_fraction_static"] == 0.9  # only a ceiling once the pool has a size
+    assert kw["max_running_requests"] == 40  # the recipe's sequences in flight decode in one wave
     # max_batch_size bounds the sequences in flight; one max_model_len (512) sequence is the floor
-    assert engine_kw(max_batch_size=8)["max_total_tokens"] == 513 + 52
+    bounded = engine_kw(max_batch_size=8)
+    assert bounded["max_total_tokens"] == 513 + 52 and bounded["max_running_requests"] == 8
     explicit = engine_kw(mem_fraction_static=0.3)
     assert explicit["mem_fraction_static"] == 0.3 and "max_total_tokens" not in explicit
+    assert explicit["max_running_requests"] == 40

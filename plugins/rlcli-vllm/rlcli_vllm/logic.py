@@ -127,9 +127,10 @@ def memory_kwargs(cfg: Any, kv: Any = None, *, weight_bytes: int = 0,
 
 
 def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int,
-                  memory: dict[str, Any] | None = None) -> dict[str, Any]:
+                  memory: dict[str, Any] | None = None, max_batch_size: int | None = None) -> dict[str, Any]:
     """``vllm.EngineArgs`` keyword arguments for the plugin's config and a run (``memory``: from
-    :func:`memory_kwargs`; default: those of a config without a KV budget)."""
+    :func:`memory_kwargs`; default: those of a config without a KV budget; ``max_batch_size``: the
+    run's, default the config's)."""
     kw: dict[str, Any] = dict(
         model=str(model_dir),
         skip_tokenizer_init=True,
@@ -147,8 +148,9 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int,
     kw.update(memory if memory is not None else memory_kwargs(cfg))
     if cfg.max_model_len is not None:
         kw["max_model_len"] = cfg.max_model_len
-    if cfg.max_batch_size is not None:
-        kw["max_num_seqs"] = cfg.max_batch_size
+    batch = max_batch_size if max_batch_size is not None else cfg.max_batch_size
+    if batch is not None:
+        kw["max_num_seqs"] = int(batch)
     if cfg.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = cfg.enable_prefix_caching
     kw.update(cfg.engine_kwargs)

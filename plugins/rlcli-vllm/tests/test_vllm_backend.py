@@ -367,7 +367,10 @@ def test_auto_sizes_the_kv_cache_from_the_workload_and_a_share_goes_through(tiny
     per_token = 2 * 2 * 16 * 2 * 4
     assert kw["kv_cache_memory_bytes"] == (120 + 12 + 1) * 16 * per_token
     assert kw["gpu_memory_utilization"] == 0.01  # no device here: only vLLM's start-up check reads it
+    assert kw["max_num_seqs"] == 40  # the recipe's sequences in flight decode in one wave
     # max_batch_size bounds the sequences in flight; one max_model_len (512) sequence is the floor
-    assert engine_kw(max_batch_size=8)["kv_cache_memory_bytes"] == (33 + 4 + 1) * 16 * per_token
+    bounded = engine_kw(max_batch_size=8)
+    assert bounded["kv_cache_memory_bytes"] == (33 + 4 + 1) * 16 * per_token and bounded["max_num_seqs"] == 8
     explicit = engine_kw(gpu_memory_utilization=0.3)
     assert explicit["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in explicit
+    assert explicit["max_num_seqs"] == 40  # the concurrency follows the recipe whatever sizes the cache

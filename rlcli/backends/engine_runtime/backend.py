@@ -164,6 +164,17 @@ class EngineBackend(InferenceBackend, abc.ABC):
         return sum(math.prod(shape) for name, shape in self.model_info.shapes.items()
                    if name not in self.model_info.aliases) * self.ctx.dtype.itemsize
 
+    def batch_size(self) -> int | None:
+        """Sequences the engine decodes together: the plugin's ``max_batch_size`` when set, else the
+        run's sequences in flight (``ctx.workload.max_sequences``, so that one step's rollout is one
+        wave, not several at the engine's own default); None when neither is known (the engine's
+        default then)."""
+        configured = getattr(self.config, "max_batch_size", None)
+        if configured is not None:
+            return int(configured)
+        workload = self.ctx.workload
+        return int(workload.max_sequences) if workload is not None else None
+
     def kv_budget(self, *, block_size: int, concurrency: int | None = None, reserved_blocks: int = 0,
                   dtype_bytes: int | None = None) -> KVBudget | None:
         """The KV cache the run's workload (``ctx.workload``) needs in this engine (see
