@@ -34,22 +34,25 @@ TRL_VLLM = {
 # The TRL + vLLM row a user tuning for speed would run (issue 32), on top of TRL_VLLM:
 # - vllm_enable_sleep_mode off: TRL otherwise puts vLLM to sleep at level 2 after every generation
 #   (weights and KV cache released) and wakes it before the next; the 0.5B-3B shapes fit without it.
+# (The generation batch is one wave of 512 sequences; a micro-batch of 128 instead of 64 would double
+# TRL's activations, 73 GiB at 0.5B, so it is left at 64.)
 # - vllm_importance_sampling_correction off: TRL otherwise runs one more forward pass over the batch
 #   (old logprobs) to correct for vLLM's sampling; rlcli's benchmark recipe has no such correction
 #   (rollout_is unset), so both run the same algorithm.
 # vLLM's own settings inside TRL stay TRL's: max_num_seqs = the generation batch (512 here, one
 # wave), CUDA graphs and torch.compile on (vLLM's defaults), gpu_memory_utilization 0.3.
 TRL_VLLM_TUNED = {"vllm_enable_sleep_mode": False, "vllm_importance_sampling_correction": False}
-# shapes whose training and vLLM engine do not fit on one H200 together: keep sleep mode
-TUNED_SLEEP_SHAPES = {"7b"}
+# What the larger shapes need to fit on one H200 (TRL trains in bf16: weights, gradients and AdamW
+# moments 8 bytes a parameter; its torch peak was 73 GiB at 0.5B and 111 GiB at 1.5B without
+# checkpointing, nearly all activations): gradient checkpointing from 3B on, and at 7B the engine
+# also sleeps to make room for the 61 GB of training state.
+TUNED_BY_SHAPE = {"3b": {"gradient_checkpointing": True},
+                  "7b": {"gradient_checkpointing": True, "vllm_enable_sleep_mode": True}}
 
 
 def tuned_settings(shape: str) -> dict:
-    """TRL_VLLM_TUNED for a model shape (sleep mode kept where the engine must make room)."""
-    out = dict(TRL_VLLM_TUNED)
-    if shape in TUNED_SLEEP_SHAPES:
-        out["vllm_enable_sleep_mode"] = True
-    return out
+    """TRL_VLLM_TUNED for a model shape, with what that shape needs to fit (TUNED_BY_SHAPE)."""
+    return {**TRL_VLLM_TUNED, **TUNED_BY_SHAPE.get(shape, {})}
 
 
 def trl_config_kwargs(work: dict, steps: int, vllm: dict | None) -> dict:

@@ -3,8 +3,9 @@
     python benchmarks/vllm_sampling.py --shape 0.5b                 # GPU machine with vLLM 0.26
     python benchmarks/vllm_sampling.py --shape 0.5b --model-cache /tmp/rlcli-sweep-models
 
-The work of ``grpo_step.py`` (its random-init Qwen2.5 shape, 64 prompts x 8 copies = 512 sequences
-of 64 prompt tokens, 256 forced new tokens, temperature 1), driven through ``vllm.LLM.generate``
+The work of ``grpo_step.py`` (its random-init Qwen2.5 shape, 512 sequences of 64 prompt tokens, 256
+forced new tokens, temperature 1; here the 512 prompts are all distinct, where the step has 64
+prompts x 8 copies: with 64-token prompts the prefill is a small part), driven through ``vllm.LLM.generate``
 with no tokenizer (``skip_tokenizer_init``, ``detokenize=False``), ``max_num_seqs`` 512 (one wave),
 ``gpu_memory_utilization`` 0.3, otherwise vLLM's defaults (CUDA graphs, torch.compile, async
 scheduling). Each setting runs once on 64 sequences as a warm-up, then once timed on all 512:

@@ -85,7 +85,10 @@ def test_tuned_trl_vllm_row_states_its_settings():
     assert (kw["use_vllm"], kw["vllm_mode"], kw["vllm_gpu_memory_utilization"]) == (True, "colocate", 0.3)
     assert kw["vllm_enable_sleep_mode"] is False and kw["vllm_importance_sampling_correction"] is False
     assert kw["generation_kwargs"] == {"ignore_eos": True} and kw["vllm_max_model_length"] == 320
-    assert grpo_trl.tuned_settings("7b")["vllm_enable_sleep_mode"] is True  # the engine makes room to train
+    big = grpo_trl.tuned_settings("7b")  # the engine makes room to train, activations are recomputed
+    assert big["vllm_enable_sleep_mode"] is True and big["gradient_checkpointing"] is True
+    assert grpo_trl.tuned_settings("3b")["gradient_checkpointing"] is True and "gradient_checkpointing" not in \
+        grpo_trl.tuned_settings("1.5b")
     assert "generation_kwargs" not in grpo_trl.trl_config_kwargs(dict(work, lengths="longtail"), 3, {})
     rows = {r.id: r for r in sw.plan_runs()}
     assert rows["0.5b-full-trl-vllm"].args == ["--trl-vllm-tuned"]

@@ -81,7 +81,8 @@ class LMDeployBackend(EngineBackend):
         )
         max_batch_size: int | None = Field(
             None, gt=0, description="Sequences decoded together (LMDeploy's max_batch_size). Default: the recipe's "
-            "sequences in flight (one step's groups x group size, or the largest eval set), else LMDeploy's."
+            "sequences in flight (one step's groups x group size, or the largest eval set; at most 1024), "
+            "else LMDeploy's."
         )
         eager_mode: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
         float32_logits: bool = Field(
@@ -166,10 +167,10 @@ class LMDeployBackend(EngineBackend):
         kv = None
         if self.config.cache_max_entry_count == "auto":
             block = int(self.config.engine_kwargs.get("block_size") or BLOCK_SIZE)
-            kv = self.kv_budget(block_size=block, concurrency=self.batch_size(),
+            kv = self.kv_budget(block_size=block, concurrency=self.max_batch_size,
                                 reserved_blocks=RESERVED_BLOCKS)
         kwargs = engine_config_kwargs(self.config, dtype=self.ctx.dtype, session_len=self.max_model_len,
-                                      memory=memory_kwargs(self.config, kv), max_batch_size=self.batch_size())
+                                      memory=memory_kwargs(self.config, kv), max_batch_size=self.max_batch_size)
         try:
             engine_config = api.PytorchEngineConfig(**kwargs)
         except Exception as exc:  # unknown or invalid engine_kwargs (TypeError, AssertionError, ...)

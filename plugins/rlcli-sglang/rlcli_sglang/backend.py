@@ -89,7 +89,8 @@ class SGLangBackend(EngineBackend):
         )
         max_batch_size: int | None = Field(
             None, gt=0, description="Requests decoded together (SGLang's max_running_requests). Default: the recipe's "
-            "sequences in flight (one step's groups x group size, or the largest eval set), else SGLang's."
+            "sequences in flight (one step's groups x group size, or the largest eval set; at most 1024), "
+            "else SGLang's."
         )
         tp_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallelism), from the run's device on.")
         disable_cuda_graph: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
@@ -162,10 +163,10 @@ class SGLangBackend(EngineBackend):
         kv = None
         if self.config.mem_fraction_static == "auto":
             page = int(self.config.engine_kwargs.get("page_size") or PAGE_SIZE)
-            kv = self.kv_budget(block_size=page, concurrency=self.batch_size())
+            kv = self.kv_budget(block_size=page, concurrency=self.max_batch_size)
         kw = engine_kwargs(
             self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id,
-            memory=memory_kwargs(self.config, kv), max_batch_size=self.batch_size(),
+            memory=memory_kwargs(self.config, kv), max_batch_size=self.max_batch_size,
         )
         try:
             # Built on the engine thread inside a coroutine: the tokenizer manager binds to this loop.

@@ -255,8 +255,9 @@ class VLLMBackend(EngineBackend):
             "max_position_embeddings. Longer prompts fail with finish_reason 'error'.",
         )
         max_batch_size: int | None = Field(
-            None, gt=0, description="Sequences decoded together (vLLM's max_num_seqs). Default: the recipe's sequences in "
-            "flight (one step's groups x group size, or the largest eval set), else vLLM's."
+            None, gt=0, description="Sequences decoded together (vLLM's max_num_seqs). Default: the recipe's "
+            "sequences in flight (one step's groups x group size, or the largest eval set; at most 1024), "
+            "else vLLM's."
         )
         tensor_parallel_size: int = Field(
             1, ge=1, description="GPUs per engine. This plugin version supports 1 (weights are loaded in process)."
@@ -338,13 +339,13 @@ class VLLMBackend(EngineBackend):
         kv = None
         if self.config.gpu_memory_utilization == "auto":
             block, kv_bytes = kv_layout(self.config)
-            kv = self.kv_budget(block_size=block, concurrency=self.batch_size(),
+            kv = self.kv_budget(block_size=block, concurrency=self.max_batch_size,
                                 reserved_blocks=RESERVED_BLOCKS, dtype_bytes=kv_bytes)
         device = torch.device(self.ctx.device)
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         memory = memory_kwargs(self.config, kv, weight_bytes=self.weight_bytes, device_bytes=total)
         return engine_kwargs(self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed,
-                             memory=memory, max_batch_size=self.batch_size())
+                             memory=memory, max_batch_size=self.max_batch_size)
 
     def _build_engine(self, api: SimpleNamespace) -> tuple[Any, int]:
         """An in-process ``LLMEngine`` and its resolved ``max_model_len``."""

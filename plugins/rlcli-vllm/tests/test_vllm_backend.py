@@ -374,3 +374,7 @@ def test_auto_sizes_the_kv_cache_from_the_workload_and_a_share_goes_through(tiny
     explicit = engine_kw(gpu_memory_utilization=0.3)
     assert explicit["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in explicit
     assert explicit["max_num_seqs"] == 40  # the concurrency follows the recipe whatever sizes the cache
+    big = FakeVLLMBackend(FakeVLLMBackend.Config(gpu_memory_utilization=0.3),
+                          replace(context(tiny_qwen2), workload=RolloutWorkload(max_sequences=5000)))
+    big.shutdown()
+    assert big.engine_kw["max_num_seqs"] == 1024  # an eval set of thousands: capped (AUTO_MAX_BATCH)

@@ -33,6 +33,8 @@ from rlcli.backends.engine_runtime.package import EnginePackage, managed_kwarg_i
 from rlcli.types import SampleParams
 
 log = logging.getLogger(__package__)  # "rlcli.backends.engine_runtime", as before the split
+# the most sequences an engine plugin decodes together when its max_batch_size is unset (EngineBackend.max_batch_size)
+AUTO_MAX_BATCH = 1024
 
 
 @dataclass
@@ -108,6 +110,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
             raise ValueError(self.float32_refusal)
         self.model_info = read_model_info(ctx.model_dir)
         self.max_model_len: int | None = self._resolve_max_model_len()
+        self.max_batch_size: int | None = self._resolve_max_batch_size()
         self.kv_plan: KVBudget | None = None  # the KV cache sized from the workload (kv_budget), if any
         self._version = int(ctx.version)
         self._paused = False
@@ -158,22 +161,23 @@ class EngineBackend(InferenceBackend, abc.ABC):
         """Prompt + response tokens per sequence (before the engine starts; the engine may refine it)."""
         return getattr(self.config, "max_model_len", None) or self.model_info.max_position_embeddings
 
+    def _resolve_max_batch_size(self) -> int | None:
+        """Sequences the engine decodes together: the plugin's ``max_batch_size`` when set, else the
+        run's sequences in flight (``ctx.workload.max_sequences``, so that one step's rollout is one
+        wave, not several at the engine's own default), at most :data:`AUTO_MAX_BATCH` (an eval set
+        of thousands of prompts would otherwise ask the engines for CUDA graphs and request slots
+        by the thousand); None when neither is known (the engine's default then)."""
+        configured = getattr(self.config, "max_batch_size", None)
+        if configured is not None:
+            return int(configured)
+        workload = self.ctx.workload
+        return min(int(workload.max_sequences), AUTO_MAX_BATCH) if workload is not None else None
+
     @property
     def weight_bytes(self) -> int:
         """Bytes of the model's weights in the run's dtype (tied weights once)."""
         return sum(math.prod(shape) for name, shape in self.model_info.shapes.items()
                    if name not in self.model_info.aliases) * self.ctx.dtype.itemsize
-
-    def batch_size(self) -> int | None:
-        """Sequences the engine decodes together: the plugin's ``max_batch_size`` when set, else the
-        run's sequences in flight (``ctx.workload.max_sequences``, so that one step's rollout is one
-        wave, not several at the engine's own default); None when neither is known (the engine's
-        default then)."""
-        configured = getattr(self.config, "max_batch_size", None)
-        if configured is not None:
-            return int(configured)
-        workload = self.ctx.workload
-        return int(workload.max_sequences) if workload is not None else None
 
     def kv_budget(self, *, block_size: int, concurrency: int | None = None, reserved_blocks: int = 0,
                   dtype_bytes: int | None = None) -> KVBudget | None:
