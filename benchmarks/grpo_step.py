@@ -56,6 +56,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 import bench_plugin  # noqa: E402  (the benchmark judger, a plugin module)
 import grpo_args  # noqa: E402  (the command line)
 import grpo_report  # noqa: E402  (--out: results.json, table.md, split.png)
+import host_memory  # noqa: E402  (host_peak_gib: what the offload settings hold in host RAM)
 import torch_profile  # noqa: E402  (--profile)
 from memory_stacks import peak_in_trace, summarize_snapshot  # noqa: E402  (--memory; tests import them from here)
 
@@ -304,6 +305,7 @@ def bench_recipe(model_dir: Path, data: Path, work: Path, steps: int, rollout: d
 def rlcli_steps(model_dir: Path, data: Path, work: Path, steps: int, peak_tflops: float,
                 overrides: list[str] | None = None, label: str = "embedded") -> None:
     preset = SHAPE_PRESETS.get(SHAPE_NAME, [])
+    host_memory.reset_peak()  # the host peak of this run: its offloaded state, not the model build before it
     rec, runner = colocate_runner(model_dir, data, work, steps, preset + list(overrides or []))
     rows = []
     watch_train_step(runner, label)
@@ -418,7 +420,7 @@ def rlcli_result(model_dir: Path, backend: str, label: str, preset: list[str], o
            gen_tok_per_s=round(gen, 0),
            train_mfu=round(flops / statistics.median(train) / (peak_tflops * 1e12), 3),
            sync_s_per_gb=round(statistics.median(sync) / gb, 4) if gb else None,
-           **memory_peaks(measured), per_step=per_step(rows, measured))
+           **memory_peaks(measured), host_peak_gib=host_memory.peak_gib(), per_step=per_step(rows, measured))
 
 
 def memory_peaks(measured: list[dict]) -> dict:
@@ -462,7 +464,9 @@ def trl_row(model_dir: Path, steps: int, vllm: dict | None = None, label: str = 
 
     work = dict(vocab=SHAPE["vocab"], prompts=PROMPTS, k=K, new=max_new(), prompt_len=PROMPT_LEN, device=DEVICE,
                 dtype=DTYPE, lengths=LENGTHS)
+    host_memory.reset_peak()
     row = grpo_trl.trl_steps(model_dir, steps, work, vllm)
+    row["host_peak_gib"] = host_memory.peak_gib()
     row["response_lengths"] = lengths.length_stats(row.pop("completion_lengths"), max_new())
     if row["train_s"] > 0:  # 6·N·T over the step's non-rollout, non-sync time (TRL's whole training side)
         row["train_mfu"] = round(6 * n_params(model_dir) * row["trained_tokens"] / row["train_s"] / (PEAK_TFLOPS * 1e12), 3)

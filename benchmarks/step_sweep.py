@@ -261,6 +261,8 @@ def table(records: list[dict]) -> str:
             peak = f"{r['rollout_peak_gib']} / {r['train_peak_gib']}"
         if r.get("device_used_gib") is not None:
             peak = f"{peak} (device {r['device_used_gib']})"
+        if r.get("host_peak_gib") is not None:
+            peak = f"{peak}; host {r['host_peak_gib']}"
         note = "vLLM " + ", ".join(f"{k}={v}" for k, v in (r.get("settings") or {}).items()) if "vllm" in r else ""
         if r.get("trainable_params"):
             note = f"trains {r['trainable_params'] / 1e6:.1f}M parameters"

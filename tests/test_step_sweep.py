@@ -93,3 +93,18 @@ def test_tuned_trl_vllm_row_states_its_settings():
     rows = {r.id: r for r in sw.plan_runs()}
     assert rows["0.5b-full-trl-vllm"].args == ["--trl-vllm-tuned"]
     assert rows["0.5b-full-trl-vllm-default"].args == ["--trl-vllm"] and "7b-full-trl-vllm-default" not in rows
+
+
+def test_host_peak_covers_the_stretch_since_its_reset():
+    import host_memory
+
+    if not host_memory.reset_peak() or host_memory.peak_gib() is None:
+        import pytest
+
+        pytest.skip("this kernel keeps no resettable VmHWM in /proc")
+    base = host_memory.peak_gib()
+    block = b"x" * (300 * 2**20)  # written, so resident
+    high = host_memory.peak_gib()
+    assert high >= base + 0.25
+    del block
+    assert host_memory.reset_peak() and host_memory.peak_gib() <= high - 0.25  # freed, and the mark starts again
