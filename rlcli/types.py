@@ -74,6 +74,10 @@ class SampleParams(BaseModel):
     top_k: int = Field(0, ge=0, description="0 disables top-k.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Extra stop ids besides the tokenizer's EOS.")
     ignore_eos: bool = Field(False, description="Generate exactly max_tokens (benchmarks).")
+    return_logprob: bool = Field(
+        True, description="The engine returns each response token's logprob: train_worker.rollout_is and the "
+        "mismatch/* metrics need them. false: an engine may skip them (vLLM then decodes about twice as fast on "
+        "a 152k vocabulary); those metrics are then not logged.")
 
     @model_validator(mode="after")
     def _check(self) -> "SampleParams":

@@ -85,6 +85,14 @@ def test_duplicate_task_names_and_zero_weights(raw):
     assert "weight" in issues_of(raw)["tasks"]
 
 
+def test_rollout_is_needs_the_engines_logprobs(raw):
+    raw["tasks"][0]["agent_loop"]["sample_params"]["return_logprob"] = False
+    validate_recipe(copy.deepcopy(raw), base_dir=REPO / "recipes")  # fine without rollout_is
+    raw.setdefault("train_worker", {})["rollout_is"] = {"mode": "truncate", "threshold_upper": 2.0}
+    found = issues_of(raw)
+    assert "train_worker.rollout_is" in found["tasks.0.agent_loop.sample_params.return_logprob"]
+
+
 def test_unknown_keys_get_did_you_mean(raw):
     raw["trainer"]["sync_weight_interval"] = 2
     raw["tasks"][0]["sampler"]["prompt_repeat"] = 8

@@ -66,7 +66,7 @@ class ScriptedBackend(InferenceBackend):
         reason = "stop" if out and out[-1] in stops else "length"
         if t in self.abort:
             out, reason = out[: self.abort.pop(t)], "abort"
-        lps = [self.logprob(t, done + i) for i in range(len(out))]
+        lps = [self.logprob(t, done + i) for i in range(len(out))] if request.params.return_logprob else []
         return GenerateOutput(out, lps, [self.turn_versions[t]] * len(out), reason)
 
     def pause(self) -> None: ...
@@ -221,6 +221,25 @@ def test_three_turn_episode_is_the_exact_concatenation_of_model_and_tool_tokens(
         assert reencoded != sample.response_ids
         assert len(reencoded) < len(sample.response_ids)  # BPE merges what the model emitted piecewise
     assert bpe.encode(THREE_TURNS[0], add_special_tokens=False) != turns[0][:-1]
+
+
+def test_without_return_logprob_the_episode_carries_no_logprobs_and_trains(bpe):
+    turns = three_turn_script(bpe)
+    loop = hermes_loop(bpe, ScriptedBackend(turns, bpe.eos_token_id, versions=[3, 4, 6]),
+                       sample_params={"max_tokens": 400, "temperature": 1.0, "return_logprob": False})
+    sample = make_sample(bpe, "What is 12*34+1?", label="409")
+    asyncio.run(loop.run_sample(sample))
+    assert (sample.status, sample.finish_reason) == (Status.COMPLETED, "stop") and sample.error is None
+    assert len(sample.response_ids) > len(turns[0]) + len(turns[1]) + len(turns[2])  # tool tokens in between
+    assert sample.logprobs == []  # no 0.0 for the tool tokens either: nothing to line them up with
+    assert len(sample.token_versions) == len(sample.response_mask) == len(sample.response_ids)
+    from rlcli.algo.advantage import GRPOAdvantage
+    from rlcli.runner.sequences import sequences_from_groups
+
+    other = copy.deepcopy(sample)
+    other.uid, other.reward = 1, {"score": 0.0}
+    seqs, _ = sequences_from_groups([Group(0, "t", [sample, other])], GRPOAdvantage(GRPOAdvantage.Config()))
+    assert [s.rollout_logprobs for s in seqs] == [None, None]
 
 
 def test_pause_in_the_middle_of_turn_two_resumes_exactly(bpe):

@@ -63,3 +63,14 @@ def test_multitoken_async_pauses_responses_mid_way_and_continues_them(repo, tmp_
     # staleness never passes (max_staleness + 1) * sync_weights_interval - 1 = 3
     assert max(x["rollout/staleness_max"] for x in steps) <= 3
     assert all(x["rollout/groups"] == 128 for x in steps)
+
+
+def test_without_return_logprob_training_runs_and_logs_no_mismatch(repo, tmp_path):
+    """``sample_params.return_logprob: false``: the engine returns no logprobs, the samples carry
+    none, training runs on, and the mismatch/* metrics are left out rather than logged as 0."""
+    r = train(repo, tmp_path / "nolp", "tasks.0.agent_loop.sample_params.return_logprob=false",
+              "trainer.total_train_steps=3", "trainer.enable_evaluate=false")
+    steps = [x for x in r if x["step"] > 0]
+    assert [x["step"] for x in steps] == [1, 2, 3]
+    assert all(x["train/tokens"] > 0 and x["train/grad_norm"] > 0 for x in steps)
+    assert not any(k.startswith("mismatch/") or k == "train/rollout_logprob_diff" for x in steps for k in x)

@@ -78,7 +78,8 @@ class AgentLoop(Component):
        ``response_mask += [1] * len(out.token_ids)``; tokens the loop inserts itself (a tool's
        output, a follow-up question) get ``response_mask`` 0, logprob 0.0 and the version of the
        model token before them (``backend.version`` when there is none). The four lists always
-       have the same length; mask-0 tokens are never trained on;
+       have the same length (``logprobs`` excepted when ``sample_params.return_logprob`` is false:
+       the backend returns none, and inserted tokens add none); mask-0 tokens are never trained on;
     4. set ``sample.temperature`` to the sampling temperature (1.0 for greedy): the trainer
        recomputes the logprobs at it;
     5. set ``finish_reason`` and ``status = status_from_finish_reason(finish_reason)``:

@@ -427,7 +427,7 @@ class MultiTurnAgentLoop(AgentLoop):
         ))
         sample.gen_time_s += time.perf_counter() - t0
         k = len(out.token_ids)
-        if len(out.logprobs) != k or len(out.versions) != k:
+        if len(out.versions) != k or (len(out.logprobs) != k and (out.logprobs or params.return_logprob)):
             sample.error = (f"backend returned {k} tokens with {len(out.logprobs)} logprobs and "
                             f"{len(out.versions)} versions")
             return "error"
@@ -480,7 +480,8 @@ class MultiTurnAgentLoop(AgentLoop):
         version = sample.token_versions[-1] if sample.token_versions else self.backend.version
         # tokens and counters change together, with no await in between (a pause cannot split them)
         sample.response_ids += ids
-        sample.logprobs += [0.0] * len(ids)
+        if sample.logprobs or self.config.sample_params.return_logprob:  # else the sample holds none
+            sample.logprobs += [0.0] * len(ids)
         sample.token_versions += [version] * len(ids)
         sample.response_mask += [0] * len(ids)
         state["tool_calls"] += len(results)

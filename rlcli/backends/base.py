@@ -5,7 +5,8 @@ A backend is built once per run from ``(config, ctx)`` and then used from one as
 * ``await generate(request)`` for many concurrent requests. Each response token comes with its
   logprob under the *sampling temperature applied to the raw logits* (no top-k/top-p
   renormalisation), so it matches the trainer's recomputed logprob, and with the policy version
-  of the weights that produced it.
+  of the weights that produced it. A request whose ``params.return_logprob`` is false gets no
+  logprobs (``logprobs`` empty): the engine may skip computing them.
 * ``pause()`` aborts every in-flight request: each returns promptly with ``finish_reason
   "abort"`` and the tokens generated so far; requests made while paused return "abort" at once
   with no tokens. ``resume()`` accepts requests again. A caller continues a partial response by
@@ -45,7 +46,7 @@ class GenerateRequest:
 @dataclass
 class GenerateOutput:
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # one per token; empty when return_logprob is false
     versions: list[int] = field(default_factory=list)  # policy version per token
     finish_reason: str = "stop"  # "stop" | "length" | "abort" | "error"
     error: str | None = None

@@ -61,6 +61,7 @@ def _check_rules(raw: dict, issues: list[Issue]) -> None:
         weights = [t.get("weight", 1.0) for t in tasks if isinstance(t, dict)]
         if weights and all(isinstance(w, (int, float)) for w in weights) and sum(weights) <= 0:
             issues.append(Issue("tasks", "at least one task weight must be positive (all weights are 0)"))
+        _check_logprobs_for_rollout_is(raw, tasks, issues)
     ev = raw.get("eval")
     if isinstance(ev, dict) and isinstance(ev.get("tasks"), list):
         _check_tasks(ev["tasks"], "eval.tasks", issues)
@@ -86,6 +87,20 @@ def _check_rules(raw: dict, issues: list[Issue]) -> None:
                                     + ", ".join(f"builtin:{n}" for n in sorted(BUILTIN_TOKENIZERS))))
         elif isinstance(tok, str):
             _check_location(tok, "model.tokenizer", "tokenizer", issues)
+
+
+def _check_logprobs_for_rollout_is(raw: dict, tasks: list, issues: list[Issue]) -> None:
+    """train_worker.rollout_is weighs tokens by the engine's logprobs: every training task must return them."""
+    tw = raw.get("train_worker")
+    if not isinstance(tw, dict) or tw.get("rollout_is") is None:
+        return
+    for i, t in enumerate(tasks):
+        loop = t.get("agent_loop") if isinstance(t, dict) else None
+        params = loop.get("sample_params") if isinstance(loop, dict) else None
+        if isinstance(params, dict) and params.get("return_logprob") is False:
+            issues.append(Issue(f"tasks.{i}.agent_loop.sample_params.return_logprob",
+                                "train_worker.rollout_is needs the engine's logprob of every response token; "
+                                "set return_logprob true or unset train_worker.rollout_is"))
 
 
 def _check_location(spec: str, field: str, need, issues: list[Issue]) -> None:

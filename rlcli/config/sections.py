@@ -273,7 +273,8 @@ class TrainWorkerConfig(Strict):
                          "{coef, type, ref_offload}; coef 0 (the default) disables it.")
     rollout_is: RolloutISConfig | None = Field(
         None, description="Correct the rollout/training logprob mismatch with importance sampling; null: no "
-        "correction. The mismatch/* metrics are reported every step either way.")
+        "correction. The mismatch/* metrics are reported every step either way (unless the tasks' "
+        "sample_params.return_logprob is false: then there is nothing to compare).")
 
     @model_validator(mode="after")
     def _check_share_prompts(self):

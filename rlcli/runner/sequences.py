@@ -34,7 +34,8 @@ def sequences_from_groups(groups: list[Group], estimator):
             seqs.append(TrainSequence(
                 prompt_ids=s.prompt_ids, response_ids=s.response_ids,
                 response_mask=s.response_mask or [1] * len(s.response_ids),
-                rollout_logprobs=s.logprobs, advantage=float(a), temperature=s.temperature, seq_id=s.uid,
+                rollout_logprobs=s.logprobs or None,  # none when the engine skipped them (return_logprob false)
+                advantage=float(a), temperature=s.temperature, seq_id=s.uid,
             ))
             adv_values.append(float(a))
     return seqs, adv_values

@@ -102,7 +102,8 @@ class {{Class}}(AgentLoop):
             return "stop"
         version = sample.token_versions[-1]  # that of the answer before
         sample.response_ids += inserted
-        sample.logprobs += [0.0] * len(inserted)
+        if sample.logprobs or self.config.sample_params.return_logprob:  # else the sample holds none
+            sample.logprobs += [0.0] * len(inserted)
         sample.token_versions += [version] * len(inserted)
         sample.response_mask += [0] * len(inserted)  # inserted: never trained on
         return None

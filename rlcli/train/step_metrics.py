@@ -45,7 +45,11 @@ class StepMetrics:
             else:
                 self.add_sum(k, v.detach().double() * weight, weight)
 
-    def reduce(self, world_size: int, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    def reduce(self, world_size: int, group: dist.ProcessGroup | None = None,
+               absent_when_empty: str | None = None) -> dict[str, float]:
+        """Means, maxima and minima over every rank. ``absent_when_empty``: a name prefix whose
+        metrics are left out when none of its means counted a token on any rank (e.g. ``mismatch/``
+        when no sequence carries the engine's logprobs), rather than logged as 0."""
         names_mean, names_max, names_min = sorted(self.sums), sorted(self.maxes), sorted(self.mins)
         z = self._zero()
         sums = torch.stack([self.sums[k] for k in names_mean] + [self.weights[k] for k in names_mean] + [z])
@@ -59,6 +63,9 @@ class StepMetrics:
         out = {k: (s[i] / s[n + i] if s[n + i] > 0 else 0.0) for i, k in enumerate(names_mean)}
         out.update({k: e[i] for i, k in enumerate(names_max)})
         out.update({k: -e[len(names_max) + i] for i, k in enumerate(names_min)})
+        if absent_when_empty and not any(s[n + i] > 0 for i, k in enumerate(names_mean)
+                                         if k.startswith(absent_when_empty)):
+            out = {k: v for k, v in out.items() if not k.startswith(absent_when_empty)}
         return {k: (v if math.isfinite(v) else 0.0) if k in self.maxes or k in self.mins else v
                 for k, v in out.items()}
 

@@ -415,11 +415,12 @@ class TrainWorker:
 
     def _step_metrics(self, step: _Step, t0: float) -> dict[str, float]:
         """The step's metrics, reduced over the ranks, with defaults for those no micro-batch gave."""
-        red = step.metrics.reduce(self.world_size, self.group)
+        # mismatch/* is left out when no sequence carries the engine's logprobs (return_logprob false)
+        red = step.metrics.reduce(self.world_size, self.group, absent_when_empty="mismatch/")
         out = finalize_metrics({(name if "/" in name else f"train/{name}"): value for name, value in red.items()})
         out.setdefault("train/entropy", 0.0)
-        # the older name of mismatch/logprob_abs_diff (computed once, by the rollout correction)
-        out["train/rollout_logprob_diff"] = out.get("mismatch/logprob_abs_diff", 0.0)
+        if "mismatch/logprob_abs_diff" in out:  # its older name (computed once, by the rollout correction)
+            out["train/rollout_logprob_diff"] = out["mismatch/logprob_abs_diff"]
         for name in ("clipfrac", "kl_k3"):
             out.setdefault(f"train/{name}", 0.0)
         for name in ("ratio_max", "ratio_min"):

@@ -44,6 +44,10 @@ def test_generate_returns_tokens_logprobs_versions_on_the_engine_thread(backend)
     req = backend.tm.requests[-1]
     assert req.input_ids == [5, 6] and req.stream is False and req.sampling_params["ignore_eos"] is True
     assert "sampling_seed" not in req.sampling_params  # use_request_seeds is off by default
+    # without return_logprob the same tokens come back without logprobs (the plugin's parser reads
+    # SGLang's logprob entries for the tokens, so SGLang still computes them)
+    bare = asyncio.run(gen(backend, [5, 6], max_tokens=7, ignore_eos=True, return_logprob=False))
+    assert bare.token_ids == out.token_ids and bare.logprobs == [] and bare.versions == [1] * 7
 
 
 def test_engine_stops_include_eos_and_the_stop_token_is_returned(backend):

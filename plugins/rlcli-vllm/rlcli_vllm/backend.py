@@ -479,7 +479,7 @@ class VLLMBackend(EngineBackend):
         try:
             if comp is not None and len(comp.token_ids):
                 ids = list(comp.token_ids)
-                job.add(ids, token_logprobs(ids, comp.logprobs))
+                job.add(ids, token_logprobs(ids, comp.logprobs) if job.params.return_logprob else [])
         except Exception as exc:
             self._waiters.pop(out.request_id, None)
             with contextlib.suppress(Exception):
@@ -500,7 +500,8 @@ class VLLMBackend(EngineBackend):
         failed: dict[str, Exception] = {}
         for rid in rids:  # before abort_request drops the state; one bad read must not stop the others
             try:
-                self._waiters[rid][1].add(*self._partial_output(rid))
+                job = self._waiters[rid][1]
+                job.add(*self._partial_output(rid, job.params.return_logprob))
             except Exception as exc:
                 failed[rid] = exc
         self._engine.abort_request(rids)
@@ -513,18 +514,18 @@ class VLLMBackend(EngineBackend):
             else:
                 fut.set_result(("abort", None))
 
-    def _partial_output(self, rid: str) -> tuple[list[int], list[float]]:
-        """Tokens and logprobs a request has produced so far, from vLLM's output processor
-        (``LLMEngine.output_processor``: external request id -> internal ids -> ``RequestState``,
-        whose detokenizer holds the output token ids and whose logprobs processor the logprobs;
-        with ``FINAL_ONLY`` nothing of them was sent yet)."""
+    def _partial_output(self, rid: str, with_logprobs: bool = True) -> tuple[list[int], list[float]]:
+        """Tokens and logprobs (none unless ``with_logprobs``) a request has produced so far, from
+        vLLM's output processor (``LLMEngine.output_processor``: external request id -> internal ids
+        -> ``RequestState``, whose detokenizer holds the output token ids and whose logprobs
+        processor the logprobs; with ``FINAL_ONLY`` nothing of them was sent yet)."""
         proc = self._engine.output_processor
         for internal in list(proc.external_req_ids.get(rid, ())):
             state = proc.request_states.get(internal)
             if state is None:
                 continue
             ids = list(state.detokenizer.output_token_ids)  # a copy: vLLM appends to its own list
-            return ids, token_logprobs(ids, state.logprobs_processor.logprobs)
+            return ids, token_logprobs(ids, state.logprobs_processor.logprobs) if with_logprobs else []
         return [], []
 
     async def _engine_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:

@@ -203,11 +203,11 @@ def sampling_kwargs(params: SampleParams, *, stop_ids: Sequence[int], budget: in
         frequency_penalty=0.0,
         stop_token_ids=[int(t) for t in stop_ids],
         ignore_eos=True,
-        logprobs=0,
-        flat_logprobs=True,
         detokenize=False,
         skip_special_tokens=False,
     )
+    if params.return_logprob:  # the sampled token's logprob (vLLM's logprob path halves its decode rate)
+        kw.update(logprobs=0, flat_logprobs=True)
     if seed is not None:
         kw["seed"] = int(seed)
     return kw

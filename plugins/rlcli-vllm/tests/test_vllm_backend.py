@@ -66,6 +66,32 @@ def test_stop_ids_and_eos_reach_vllm_as_stop_token_ids(backend):
     assert len(out.token_ids) >= 3 and first not in out.token_ids[:3]
 
 
+def test_without_return_logprob_vllm_is_asked_for_none_and_returns_none(backend):
+    seen = []
+    orig = backend.fake.add_request
+
+    def spy(rid, prompt, sp):
+        seen.append(sp)
+        return orig(rid, prompt, sp)
+
+    backend.fake.add_request = spy
+
+    async def main():
+        full = await gen(backend, [5, 6, 7], max_tokens=12, ignore_eos=True, return_logprob=False)
+        task = asyncio.ensure_future(gen(backend, [1, 2, 3], max_tokens=400, ignore_eos=True, temperature=0.0,
+                                         return_logprob=False))
+        await asyncio.sleep(0.1)
+        backend.pause()
+        part = await asyncio.wait_for(task, 5)
+        backend.resume()
+        return full, part
+
+    full, part = asyncio.run(main())
+    assert full.token_ids == expected(backend, [5, 6, 7], 12) and full.logprobs == [] and full.versions == [3] * 12
+    assert part.finish_reason == "abort" and 0 < len(part.token_ids) < 400 and part.logprobs == []
+    assert all(sp.logprobs is None and sp.flat_logprobs is False for sp in seen)  # vLLM's logprob path stays off
+
+
 def test_pause_returns_partial_tokens_and_refuses_new_requests(backend):
     async def main():
         task = asyncio.ensure_future(gen(backend, [1, 2, 3], max_tokens=400, ignore_eos=True, temperature=0.0))

@@ -75,6 +75,8 @@ def test_sampling_kwargs_sampled_request():
     assert (kw["temperature"], kw["top_p"], kw["top_k"]) == (0.7, 0.9, 20)
     assert kw["stop_token_ids"] == [2, 5] and kw["ignore_eos"] is True  # vLLM's own EOS off, ours in the list
     assert kw["logprobs"] == 0 and kw["flat_logprobs"] is True and kw["detokenize"] is False
+    skip = sampling_kwargs(p.model_copy(update={"return_logprob": False}), stop_ids=[2, 5], budget=40, seed=123)
+    assert "logprobs" not in skip and "flat_logprobs" not in skip and skip["max_tokens"] == 40
     assert kw["seed"] == 123 and kw["n"] == 1
     assert (kw["repetition_penalty"], kw["presence_penalty"], kw["frequency_penalty"], kw["min_p"]) == (1.0, 0.0, 0.0, 0.0)
 

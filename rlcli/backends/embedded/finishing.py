@@ -45,7 +45,8 @@ class Finishing(RowState):
                 why = reason
                 if why is None:
                     why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
-                out.append((seq, GenerateOutput(tokens, lps[i][:g], vers[i][:g], why, error)))
+                lp = lps[i][:g] if seq.params.return_logprob else []  # free here, but not asked for
+                out.append((seq, GenerateOutput(tokens, lp, vers[i][:g], why, error)))
             self._compact(rows_np)
             return out
 

@@ -54,7 +54,9 @@ class Job:
     handle: Any = None  # engine-specific (request id of the current phase, session, ...)
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        if len(token_ids) != len(logprobs):
+        """Append the engine's new tokens and their logprobs (none when the request's
+        ``return_logprob`` is false and the engine skipped them)."""
+        if len(token_ids) != len(logprobs) and (len(logprobs) or self.params.return_logprob or self.logprobs):
             raise RuntimeError(f"the engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
         for lp in logprobs:
             if not isinstance(lp, (int, float)) or math.isnan(lp):
@@ -344,7 +346,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
         self._count(finish, len(tokens))
         return GenerateOutput(
             token_ids=tokens,
-            logprobs=logprobs,
+            logprobs=logprobs if job.params.return_logprob else [],  # an engine may return them anyway
             versions=[job.version] * len(tokens),
             finish_reason=finish,
             error=error,
