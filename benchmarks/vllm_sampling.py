@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -60,7 +61,7 @@ def main() -> None:
     gs.SHAPE_NAME, gs.LENGTHS = args.shape, "full"
     gs.SHAPE.clear()
     gs.SHAPE.update(gs.SHAPES[args.shape])
-    model_dir = gs.prepare_model(Path(__import__("tempfile").mkdtemp(prefix="vllm-sampling-")), args.model_cache)
+    model_dir = gs.prepare_model(Path(tempfile.mkdtemp(prefix="vllm-sampling-")), args.model_cache)
     llm = LLM(model=str(model_dir), skip_tokenizer_init=True, max_num_seqs=gs.PROMPTS * gs.K,
               gpu_memory_utilization=0.3, max_model_len=gs.PROMPT_LEN + gs.NEW, seed=0)
     g = torch.Generator().manual_seed(0)

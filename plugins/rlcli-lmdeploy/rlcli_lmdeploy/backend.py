@@ -167,8 +167,7 @@ class LMDeployBackend(EngineBackend):
         kv = None
         if self.config.cache_max_entry_count == "auto":
             block = int(self.config.engine_kwargs.get("block_size") or BLOCK_SIZE)
-            kv = self.kv_budget(block_size=block, concurrency=self.max_batch_size,
-                                reserved_blocks=RESERVED_BLOCKS)
+            kv = self.kv_budget(block_size=block, reserved_blocks=RESERVED_BLOCKS)
         kwargs = engine_config_kwargs(self.config, dtype=self.ctx.dtype, session_len=self.max_model_len,
                                       memory=memory_kwargs(self.config, kv), max_batch_size=self.max_batch_size)
         try:

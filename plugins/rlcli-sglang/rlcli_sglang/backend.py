@@ -163,7 +163,7 @@ class SGLangBackend(EngineBackend):
         kv = None
         if self.config.mem_fraction_static == "auto":
             page = int(self.config.engine_kwargs.get("page_size") or PAGE_SIZE)
-            kv = self.kv_budget(block_size=page, concurrency=self.max_batch_size)
+            kv = self.kv_budget(block_size=page)
         kw = engine_kwargs(
             self.config, model_dir=self.ctx.model_dir, dtype=self.ctx.dtype, seed=self.ctx.seed, gpu_id=gpu_id,
             memory=memory_kwargs(self.config, kv), max_batch_size=self.max_batch_size,

@@ -339,8 +339,7 @@ class VLLMBackend(EngineBackend):
         kv = None
         if self.config.gpu_memory_utilization == "auto":
             block, kv_bytes = kv_layout(self.config)
-            kv = self.kv_budget(block_size=block, concurrency=self.max_batch_size,
-                                reserved_blocks=RESERVED_BLOCKS, dtype_bytes=kv_bytes)
+            kv = self.kv_budget(block_size=block, reserved_blocks=RESERVED_BLOCKS, dtype_bytes=kv_bytes)
         device = torch.device(self.ctx.device)
         total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
         memory = memory_kwargs(self.config, kv, weight_bytes=self.weight_bytes, device_bytes=total)

@@ -54,9 +54,12 @@ class Job:
     handle: Any = None  # engine-specific (request id of the current phase, session, ...)
 
     def add(self, token_ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Append the engine's new tokens and their logprobs (none when the request's
-        ``return_logprob`` is false and the engine skipped them)."""
-        if len(token_ids) != len(logprobs) and (len(logprobs) or self.params.return_logprob or self.logprobs):
+        """Append the engine's new tokens and their logprobs; a request whose ``return_logprob`` is
+        false keeps none (whether the engine skipped them or returned them anyway)."""
+        if not self.params.return_logprob:
+            self.token_ids.extend(int(t) for t in token_ids)
+            return
+        if len(token_ids) != len(logprobs):
             raise RuntimeError(f"the engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
         for lp in logprobs:
             if not isinstance(lp, (int, float)) or math.isnan(lp):
@@ -181,12 +184,12 @@ class EngineBackend(InferenceBackend, abc.ABC):
         return sum(math.prod(shape) for name, shape in self.model_info.shapes.items()
                    if name not in self.model_info.aliases) * self.ctx.dtype.itemsize
 
-    def kv_budget(self, *, block_size: int, concurrency: int | None = None, reserved_blocks: int = 0,
+    def kv_budget(self, *, block_size: int, reserved_blocks: int = 0,
                   dtype_bytes: int | None = None) -> KVBudget | None:
         """The KV cache the run's workload (``ctx.workload``) needs in this engine (see
-        :mod:`~rlcli.backends.engine_runtime.kv_budget`), logged; None when the workload is unknown.
-        ``concurrency``: the engine's limit on sequences decoded together, when set; ``dtype_bytes``:
-        of the KV cache (default: the model dtype's)."""
+        :mod:`~rlcli.backends.engine_runtime.kv_budget`), at most :attr:`max_batch_size` sequences
+        of it, logged; None when the workload is unknown. ``dtype_bytes``: of the KV cache
+        (default: the model dtype's)."""
         if self.model_info.kv_shape is None:
             self.kv_plan = None
             log.info("%s backend: the model's config names no layer and head counts; the engine sizes its KV "
@@ -196,7 +199,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" and torch.cuda.is_available() else None
         budget = plan_kv_cache(self.ctx.workload, self.model_info.kv_shape,
                                dtype_bytes=dtype_bytes or self.ctx.dtype.itemsize, block_size=block_size,
-                               max_model_len=self.max_model_len, concurrency=concurrency,
+                               max_model_len=self.max_model_len, concurrency=self.max_batch_size,
                                reserved_blocks=reserved_blocks, free_bytes=free, weight_bytes=self.weight_bytes)
         self.kv_plan = budget
         if budget is None:
@@ -346,7 +349,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
         self._count(finish, len(tokens))
         return GenerateOutput(
             token_ids=tokens,
-            logprobs=logprobs if job.params.return_logprob else [],  # an engine may return them anyway
+            logprobs=logprobs,
             versions=[job.version] * len(tokens),
             finish_reason=finish,
             error=error,
