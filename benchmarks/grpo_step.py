@@ -9,8 +9,8 @@ Work (the issue's reference workload): a random-init Qwen2.5-0.5B-shaped model (
 hidden 896, 14/2 heads, vocab 151,936, tied embeddings) in bf16 with an offline word-level
 tokenizer; 64 prompts of 64 tokens × 8 samples × 256 new tokens (forced: EOS ignored), one
 optimizer step per batch, lr 1e-6, reward = response length mod 7 (as the TRL baseline).
-`--shape 1.5b|3b|7b` builds another Qwen2.5 shape (SHAPES; 7b adds SHAPE_PRESETS' CPU offload to
-the rlcli runs); `--lengths longtail` turns EOS on, with geometric response lengths of mean 256 cut
+`--shape 1.5b|3b|7b` builds another Qwen2.5 shape (SHAPES; 7b adds SHAPE_PRESETS' bfloat16 AdamW
+moments to the rlcli runs); `--lengths longtail` turns EOS on, with geometric response lengths of mean 256 cut
 at 1024 (benchmarks/lengths.py: many end ids in the model's generation_config.json). The sweep
 over shapes, lengths and frameworks is benchmarks/step_sweep.py (one process of this script per run).
 
@@ -75,10 +75,13 @@ SHAPES = {
     "7b": dict(vocab=152064, layers=28, hidden=3584, heads=28, kv=4, inter=18944, tied=False),
     "tiny": dict(vocab=1000, layers=2, hidden=64, heads=4, kv=2, inter=128, tied=True),
 }
-# rlcli recipe overrides a shape needs on one H200, applied before --set (and stated in each result):
-# 7B's float32 master weights, gradients and AdamW moments (16 bytes a parameter, 122 GB) do not fit
-# beside the engine, so they live in CPU memory (FSDP2's CPUOffloadPolicy; the optimizer steps there).
-SHAPE_PRESETS: dict[str, list[str]] = {"7b": ["train_worker.fsdp.cpu_offload=true"]}
+# rlcli recipe overrides a shape needs on one H200, applied before --set (and stated in each result).
+# 7B: float32 master weights, gradients and AdamW moments (16 bytes a parameter, 122 GB) do not fit
+# beside the engine, nor in the 1-GPU machine's 125 GiB of host RAM with FSDP2's CPU offload (the
+# kernel's OOM killer ended that run: 108 GiB pinned, 2026-12-04). Moments in bfloat16 bring the state
+# to 12 bytes a parameter (91 GB) on the GPU; 32,768-token packs keep the activations beside it.
+SHAPE_PRESETS: dict[str, list[str]] = {"7b": ["train_worker.optimizer.moment_dtype=bfloat16",
+                                              "train_worker.pack_max_length=32768"]}
 SHAPE_NAME = "0.5b"
 SHAPE = dict(SHAPES[SHAPE_NAME])  # the shape the model is built with (the issue's workload)
 PROMPTS, K, NEW, PROMPT_LEN = 64, 8, 256, 64
@@ -526,8 +529,8 @@ def sections(args: argparse.Namespace, model_dir: Path, data: Path, root: Path) 
     out.append(("trl_vllm", lambda: trl_row(model_dir, args.steps, vllm={}, label="default")))
     import grpo_trl
 
-    out.append(("trl_vllm_tuned", lambda: trl_row(model_dir, args.steps, vllm=grpo_trl.tuned_settings(SHAPE_NAME),
-                                                  label="tuned")))
+    tuned = grpo_trl.tuned_settings(SHAPE_NAME, LENGTHS)
+    out.append(("trl_vllm_tuned", lambda: trl_row(model_dir, args.steps, vllm=tuned, label="tuned")))
     for spec in args.trl_vllm_variant:  # run with or without --trl-vllm
         label, settings = grpo_trl.parse_variant(spec)
         out.append((f"trl_vllm_variant:{label}", lambda label=label, settings=settings: trl_row(

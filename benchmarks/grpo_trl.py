@@ -50,9 +50,15 @@ TUNED_BY_SHAPE = {"3b": {"gradient_checkpointing": True},
                   "7b": {"gradient_checkpointing": True, "vllm_enable_sleep_mode": True}}
 
 
-def tuned_settings(shape: str) -> dict:
-    """TRL_VLLM_TUNED for a model shape, with what that shape needs to fit (TUNED_BY_SHAPE)."""
-    return {**TRL_VLLM_TUNED, **TUNED_BY_SHAPE.get(shape, {})}
+# Long-tailed lengths (responses up to 1,024 tokens) at every shape: without checkpointing TRL ran out of
+# the H200's memory at 0.5B (2026-12-04, 139.7 GiB in use).
+TUNED_BY_LENGTHS = {"longtail": {"gradient_checkpointing": True}}
+
+
+def tuned_settings(shape: str, lengths: str = "full") -> dict:
+    """TRL_VLLM_TUNED for a model shape and length regime, with what they need to fit (TUNED_BY_SHAPE,
+    TUNED_BY_LENGTHS)."""
+    return {**TRL_VLLM_TUNED, **TUNED_BY_SHAPE.get(shape, {}), **TUNED_BY_LENGTHS.get(lengths, {})}
 
 
 def trl_config_kwargs(work: dict, steps: int, vllm: dict | None) -> dict:

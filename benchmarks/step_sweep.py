@@ -18,9 +18,11 @@ Runs (``--plan`` lists them with their arguments):
   0.5b-full-rlcli-lora           LoRA r 16, alpha 32 against full fine-tuning (issue 30, acceptance 3)
   0.5b-full-rlcli-kl[-refoffload] the KL penalty, without and with the reference model in CPU memory
   3b-full-rlcli-cpuoffload       fsdp.cpu_offload where it is not needed: its cost against 3b-full-rlcli
+  7b-full-rlcli-cpuoffload       7b with fsdp.cpu_offload as well as its preset: the GPU memory it frees, its cost
 for shapes 0.5b, 1.5b, 3b, 7b and lengths full (256 tokens, EOS ignored) and longtail (EOS on,
 geometric lengths of mean 256 cut at 1024: benchmarks/lengths.py). 7b's rlcli runs add the
-grpo_step.SHAPE_PRESETS overrides (parameters, gradients and optimizer state in CPU memory).
+grpo_step.SHAPE_PRESETS overrides (AdamW moments in bfloat16, 32,768-token packs), which win over
+HEADLINE where both set a key.
 
 ``--out DIR`` gets ``sweep-results.json`` (every run: its arguments, estimate, wall time, exit
 code, grpo_step's results and environment, the tail of its log) and ``table.md``, rewritten after
@@ -35,6 +37,7 @@ import argparse
 import fnmatch
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -56,8 +59,10 @@ HEADLINE = ["train_worker.fsdp.torch_compile=true", "train_worker.fsdp.activatio
             "train_worker.share_prompts=true"]
 CUDA_ONLY = ("train_worker.fsdp.torch_compile", "train_worker.fsdp.activation_memory_budget")  # left out by --tiny
 # the async row: recipes/quickstart-async.yaml's production with weights synced every step (as the
-# learning race's rlcli-async)
-ASYNC = ["replay_buffer.name=async", "tasks.0.produce_strategy.name=async",
+# learning race's rlcli-async). Over-sampling by 0.5 puts 768 sequences in flight (512 + 256): the
+# embedded engine gets a slot for each, as the sync row has one for each of its 512 (with 512
+# slots, runs up to the eighth session's, the over-sampled 256 waited for free slots).
+ASYNC = ["rollout.max_batch_size=768", "replay_buffer.name=async", "tasks.0.produce_strategy.name=async",
          "tasks.0.produce_strategy.over_sample_threshold=0.5", "tasks.0.produce_strategy.enable_partial_rollout=true",
          "tasks.0.produce_strategy.max_staleness=1", "tasks.0.produce_strategy.tail_batch_trigger_size=0",
          "tasks.0.produce_strategy.tail_batch_max_tries=3"]
@@ -67,6 +72,8 @@ EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE)
     "0.5b-full-rlcli-kl-refoffload": ("0.5b", "full", "rlcli KL, ref_offload",
                                       ["train_worker.kl.coef=0.001", "train_worker.kl.ref_offload=true"]),
     "3b-full-rlcli-cpuoffload": ("3b", "full", "rlcli cpu_offload", ["train_worker.fsdp.cpu_offload=true"]),
+    # with the 7b preset's bfloat16 moments: 12 bytes a parameter, 91 GB of host RAM (16, 122 GB, were killed)
+    "7b-full-rlcli-cpuoffload": ("7b", "full", "rlcli cpu_offload", ["train_worker.fsdp.cpu_offload=true"]),
 }
 CALL_S = 540.0
 
@@ -83,7 +90,9 @@ class Run:
 
 
 def rlcli_run(rid: str, shape: str, lengths: str, row: str, extra: list[str]) -> Run:
-    sets = [a for kv in HEADLINE + extra for a in ("--set", kv)]
+    preset = {kv.split("=", 1)[0] for kv in gs.SHAPE_PRESETS.get(shape, [])}
+    base = [kv for kv in HEADLINE if kv.split("=", 1)[0] not in preset]  # the shape's preset wins
+    sets = [a for kv in base + extra for a in ("--set", kv)]
     return Run(rid, shape, lengths, row, ["--rlcli", "--label", rid.split("-", 2)[2]] + sets,
                extra=gs.SHAPE_PRESETS.get(shape, []) + extra)
 
@@ -121,7 +130,7 @@ def estimate_s(run: Run, cold: bool = True) -> float:
     the 0.5b figures (rlcli 0.63 s rollout + 1.08 s train, TRL 8 s per step) by the parameter count;
     TRL + vLLM from its measured 9.3 s (0.5b) and 9.5 s (1.5b) a step and ~110 s of start-up; the
     long tail's rollout ×2.5 sync (the batch waits for its longest response), ×1.2 async, TRL ×3
-    (generate) and ×1.5 (vLLM); 7b's CPU offload +10 s a step (guesses)."""
+    (generate) and ×1.5 (vLLM); CPU offload +10 s a step (guesses)."""
     r = n_params(run.shape) / n_params("0.5b")
     tail = run.lengths == "longtail"
     build = (10 + 12 * r / 2) if cold else 0.0  # random init + safetensors write
@@ -161,8 +170,9 @@ def print_plan(runs: list[Run], budget: float) -> None:
     print(f"\nHEADLINE (every rlcli run): {' '.join(HEADLINE)}\nASYNC: {' '.join(ASYNC)}\n")
     for run in runs:
         if any("cpu_offload=true" in kv for kv in run.extra):
+            per = 12 if any("moment_dtype=bfloat16" in kv for kv in run.extra) else 16
             print(f"{run.id}: parameters, gradients and AdamW moments in CPU memory, about "
-                  f"{16 * n_params(run.shape) / 1e9:.0f} GB of the host's RAM (the 1-GPU machine has 128 GiB)")
+                  f"{per * n_params(run.shape) / 1e9:.0f} GB of the host's RAM (the 1-GPU machine has 125 GiB)")
     print()
     for i, call in enumerate(pack_calls(runs, budget), 1):
         est = sum(estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
@@ -210,9 +220,22 @@ def run_one(run: Run, args, time_left: float) -> dict:
         rec.update(env=data["env"], results=data["results"])
     errors = [r["error"] for r in rec.get("results", []) if "error" in r]
     if errors or rc != 0 or not rec.get("results"):
-        rec["error"] = errors[0] if errors else f"exit {rc}: {rec['log_tail'][-1500:]}"
+        rec["error"] = errors[0] if errors else f"exit {rc}{killed_by(rc)}: {rec['log_tail'][-1500:]}"
     print(f"[{run.id}] {'error' if 'error' in rec else 'done'} in {rec['wall_s']} s", flush=True)
     return rec
+
+
+def killed_by(rc) -> str:
+    """For a run ended by SIGKILL: the kernel's last out-of-memory kill, when ``dmesg`` shows one
+    (the host's RAM, not the GPU's: a CUDA out-of-memory error is an exception, not a kill)."""
+    if rc != -signal.SIGKILL:
+        return ""
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        log = ""
+    oom = [x.strip() for x in log.splitlines() if "Killed process" in x]
+    return f" (SIGKILL; {oom[-1]})" if oom else " (SIGKILL: the host's OOM killer, or another process)"
 
 
 # ------------------------------------------------------------------------------ the table
@@ -288,7 +311,8 @@ def ratios(records: list[dict]) -> list[str]:
                 out.append(f"- {base}: async {step[f'{base}-rlcli-async']} s against sync {mine} s: "
                            f"**{mine / step[f'{base}-rlcli-async']:.2f}×**")
     for a, b in (("0.5b-full-rlcli-kl-refoffload", "0.5b-full-rlcli-kl"), ("0.5b-full-rlcli-kl", "0.5b-full-rlcli"),
-                 ("3b-full-rlcli-cpuoffload", "3b-full-rlcli"), ("0.5b-full-rlcli-lora", "0.5b-full-rlcli")):
+                 ("3b-full-rlcli-cpuoffload", "3b-full-rlcli"), ("7b-full-rlcli-cpuoffload", "7b-full-rlcli"),
+                 ("0.5b-full-rlcli-lora", "0.5b-full-rlcli")):
         if step.get(a) and step.get(b):
             out.append(f"- {a} against {b}: {step[a]} s against {step[b]} s ({step[a] - step[b]:+.3f} s)")
     return out

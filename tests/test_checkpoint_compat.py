@@ -9,11 +9,16 @@ run to the same rows and weights, a disaggregated one (whose producer counters d
 timing) with the same metric names and without training a group again.
 
 Tolerance: 4fc714f resuming its own checkpoint reproduced its uninterrupted run bit for bit (as
-tests/test_resume.py checks for the current code), so on the same torch build the rows should be
-equal. Floats are compared with ``rel=1e-5, abs=1e-7`` so that a reordered float32 sum (a few
-ulps, ~1e-7 relative) passes, while anything a broken resume changes does not: one different
-sampled token moves ``reward/mean`` by 1/40 and the token counts by whole tokens; a resume that
-drops the Adam moments changes ``train/entropy`` by ~4 % from the next step on (tried by hand).
+tests/test_resume.py checks for the current code), and on the CPUs of the sessions that made and
+first ran this test the rows were equal within ``rel=1e-5``. Another CPU rounds float32 differently
+(an AMX-capable Xeon, 2026-12-04, same torch build and thread count): the sampled tokens were the
+same, the training metrics drifted by up to 1.5e-5 relative by step 8, and the engine-against-trainer
+differences (``mismatch/*``, ``train/rollout_logprob_diff``: small differences of two logprobs,
+where float noise is large relative to them) by up to 0.3 %. So floats are compared with
+``rel=1e-4`` (those differences with ``rel=1e-2``), which anything a broken resume changes still
+fails: one different sampled token moves ``reward/mean`` by 1/40 and the token counts by whole
+tokens; a resume that drops the Adam moments changes ``train/entropy`` by ~4 % from the next step
+on (tried by hand).
 """
 
 from __future__ import annotations
@@ -34,7 +39,12 @@ FIXTURES = Path(__file__).resolve().parent / "data" / "ckpt-v0"
 FIXTURE = FIXTURES / "colocate"
 DISAGG = FIXTURES / "disaggregated"
 STEP, TOTAL = 4, 8
-TOL = {"rel": 1e-5, "abs": 1e-7}
+TOL = {"rel": 1e-4, "abs": 1e-7}
+NOISY_TOL = {"rel": 1e-2, "abs": 1e-6}  # differences of the engine's and the trainer's logprobs
+
+
+def tolerance(key: str) -> dict:
+    return NOISY_TOL if key.startswith("mismatch/") or key == "train/rollout_logprob_diff" else TOL
 # Metric names added since 4fc714f, each listed here (a renamed or dropped one still fails)
 ADDED_METRICS = {"rollout/loss_excluded_samples", "agent_loop/errors", "eval/agent_loop/errors", "reward/std"}
 ADDED_COUNTERS = ("judger/crashes", "judger/out_of_memory")  # also as eval/...
@@ -60,7 +70,7 @@ def assert_rows_match(got: dict, want: dict) -> None:
     assert got.keys() == want.keys(), (sorted(set(got) ^ set(want)))
     for k, v in want.items():
         if isinstance(v, float):
-            assert got[k] == pytest.approx(v, **TOL), (got["step"], k, got[k], v)
+            assert got[k] == pytest.approx(v, **tolerance(k)), (got["step"], k, got[k], v)
         else:
             assert got[k] == v, (got["step"], k, got[k], v)
 
@@ -70,8 +80,11 @@ def assert_weights_match(tensors: dict[str, torch.Tensor], tag: str) -> None:
     for name, w in want.items():
         t = tensors[name].double()
         assert t.numel() == w["numel"], name
-        assert float(t.sum()) == pytest.approx(w["sum"], rel=1e-5, abs=1e-5), (tag, name)
-        assert float(t.abs().sum()) == pytest.approx(w["abs_sum"], rel=1e-5), (tag, name)
+        # a signed sum cancels: its noise scales with the sum of absolute values (the module docstring's
+        # other CPU moved the embedding's sum by 7e-4 of 0.45, its absolute sum by under 1e-4 relative);
+        # one step of lr 1e-2 moves every weight by ~1e-2: a lost resume moves the sum by ~0.2 or more
+        assert float(t.sum()) == pytest.approx(w["sum"], abs=3e-4 * w["abs_sum"] + 1e-5), (tag, name)
+        assert float(t.abs().sum()) == pytest.approx(w["abs_sum"], rel=1e-4), (tag, name)
 
 
 def recipe_copy(tmp_path: Path, fixture: Path = FIXTURE) -> Path:

@@ -32,7 +32,10 @@ def test_plan_covers_every_shape_and_length():
             assert {f"{shape}-{ln}-rlcli", f"{shape}-{ln}-trl-vllm"} <= set(ids)
         assert f"{shape}-longtail-rlcli-async" in ids and f"{shape}-full-rlcli-async" not in ids
     by = {r.id: r for r in runs}
-    assert "train_worker.fsdp.cpu_offload=true" in by["7b-full-rlcli"].extra
+    seven = by["7b-full-rlcli"]  # the 7b preset (bfloat16 moments, smaller packs) wins over HEADLINE
+    assert "train_worker.optimizer.moment_dtype=bfloat16" in seven.extra
+    assert "train_worker.pack_max_length=32768" in seven.extra and "train_worker.pack_max_length=65536" not in seven.args
+    assert "train_worker.pack_max_length=65536" in by["3b-full-rlcli"].args
     assert "model.lora.r=16" in by["0.5b-full-rlcli-lora"].args
     assert "train_worker.kl.ref_offload=true" in by["0.5b-full-rlcli-kl-refoffload"].args
     assert [r.id for r in sw.select(runs, "7b-*-trl-vllm")] == ["7b-full-trl-vllm", "7b-longtail-trl-vllm"]
@@ -89,6 +92,7 @@ def test_tuned_trl_vllm_row_states_its_settings():
     assert big["vllm_enable_sleep_mode"] is True and big["gradient_checkpointing"] is True
     assert grpo_trl.tuned_settings("3b")["gradient_checkpointing"] is True and "gradient_checkpointing" not in \
         grpo_trl.tuned_settings("1.5b")
+    assert grpo_trl.tuned_settings("0.5b", "longtail")["gradient_checkpointing"] is True  # 1,024-token responses
     assert "generation_kwargs" not in grpo_trl.trl_config_kwargs(dict(work, lengths="longtail"), 3, {})
     rows = {r.id: r for r in sw.plan_runs()}
     assert rows["0.5b-full-trl-vllm"].args == ["--trl-vllm-tuned"]
@@ -108,3 +112,15 @@ def test_host_peak_covers_the_stretch_since_its_reset():
     assert high >= base + 0.25
     del block
     assert host_memory.reset_peak() and host_memory.peak_gib() <= high - 0.25  # freed, and the mark starts again
+
+
+def test_a_killed_run_says_so(monkeypatch):
+    import signal
+    import subprocess
+
+    assert sw.killed_by(1) == "" and sw.killed_by("timeout") == ""
+    line = "[  982.7] Out of memory: Killed process 2380 (python) total-vm:242242692kB"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "x\n" + line + "\n", ""))
+    assert sw.killed_by(-signal.SIGKILL) == f" (SIGKILL; {line})"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
+    assert "OOM killer" in sw.killed_by(-signal.SIGKILL)
