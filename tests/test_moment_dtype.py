@@ -21,7 +21,8 @@ from .test_train_worker import make_batch
 def _params(seed: int) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     shapes = [(37, 5), (11,), (3, 4, 2), (0,)]
-    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes]
+    transposed = torch.nn.Parameter((torch.randn(5, 7, generator=g) * 0.02).t())  # not contiguous: updated whole
+    return [torch.nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in shapes] + [transposed]
 
 
 def _run(opt_cls, steps: int = 6, **kw) -> tuple[list[torch.Tensor], torch.optim.Optimizer]:

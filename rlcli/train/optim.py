@@ -99,7 +99,6 @@ def adamw_step_local(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) 
     return True
 
 
-
 MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's state names, as torch.optim.AdamW has them
 
 
@@ -167,11 +166,12 @@ class MomentDtypeAdamW(torch.optim.Optimizer):
         bias1, bias2_sqrt = 1 - beta1 ** step, math.sqrt(1 - beta2 ** step)
         if wd:
             p.mul_(1 - lr * wd)
-        flat = all(t.is_contiguous() for t in (p, g, m, v))
-        tensors = [t.view(-1) for t in (p, g, m, v)] if flat else [p, g, m, v]
-        n, size = tensors[0].numel(), self.chunk if flat else tensors[0].numel()
-        for start in range(0, max(n, 1), max(size, 1)):
-            pc, gc, mc, vc = (t[start:start + size] for t in tensors) if flat else tensors
+        tensors = (p, g, m, v)
+        if all(t.is_contiguous() for t in tensors):
+            chunks = zip(*(t.view(-1).split(self.chunk) for t in tensors))
+        else:  # whole tensors (not seen with FSDP2's shards, which are contiguous)
+            chunks = [tensors]
+        for pc, gc, mc, vc in chunks:
             g32 = gc.float()
             m32 = mc.float().lerp_(g32, 1 - beta1)  # float32 moments: these are the state itself
             v32 = vc.float().mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
