@@ -741,9 +741,18 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
     lw2 = make_worker({model_dir!r}, pack_max_length=24, lora={{"r": 4, "alpha": 8.0}})
     lw2.load_checkpoint({out!r} + ".ckpt")
     lora = (lw.full_state_dict(), lw2.full_state_dict())
+    # AdamW moments in bfloat16: sharded moments step, and resume through a 2-rank checkpoint
+    b16 = {{"lr": 1e-2, "moment_dtype": "bfloat16"}}
+    bw = make_worker({model_dir!r}, pack_max_length=24, optimizer=b16)
+    b16_steps = [bw.train_step(mine) for _ in range(2)]
+    bw.save_checkpoint({out!r} + ".b16", {{}})
+    bw2 = make_worker({model_dir!r}, pack_max_length=24, optimizer=b16)
+    bw2.load_checkpoint({out!r} + ".b16")
+    b16_resume = (bw.train_step(mine), bw2.train_step(mine), bw.full_state_dict(), bw2.full_state_dict(),
+                  sorted({{str(v.dtype) for st in bw2.optimizer.state.values() for k, v in st.items() if k != "step"}}))
     if rank() == 0:
         torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared, "normed": normed,
-                    "lora": lora}}, {out!r})
+                    "lora": lora, "b16": (b16_steps, b16_resume)}}, {out!r})
     torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
     destroy()
 """)
@@ -803,6 +812,15 @@ def test_two_ranks_match_one_process(model_dir, tmp_path):
     normed = make_worker(model_dir, loss=_dr_grpo_loss(), pack_max_length=24, **CORRECTED).train_step(seqs)
     for key in ("train/loss", "train/grad_norm", "train/tokens", "train/sequences"):
         assert got["normed"][key] == pytest.approx(normed[key], rel=1e-4, abs=1e-6), key
+    b16_steps, (after, resumed, sa, sb, moment_dtypes) = got["b16"]
+    assert moment_dtypes == ["torch.bfloat16"]  # still bfloat16 after the 2-rank resume
+    bw = make_worker(model_dir, pack_max_length=24, optimizer={"lr": 1e-2, "moment_dtype": "bfloat16"})
+    for a, b in zip(b16_steps, [bw.train_step(seqs) for _ in range(2)]):
+        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    assert {k: v for k, v in after.items() if k != "train/step_time_s"} == \
+        {k: v for k, v in resumed.items() if k != "train/step_time_s"}  # exact resume on 2 ranks
+    assert set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def test_micro_batches_are_built_when_first_used_and_only_once(model_dir, monkeypatch):
