@@ -757,3 +757,22 @@ def test_tied_weights_sent_under_both_names_are_copied_once(model_dirs, monkeypa
     assert n == 2 and copies.count(embed.data_ptr()) == 1
     assert torch.equal(embed, new)
     be.shutdown()
+
+
+def test_fewer_slots_than_training_sequences_in_flight_is_warned(model_dir, caplog):
+    """An async recipe over-samples: with fewer decode slots than sequences in flight, the rest queue."""
+    from dataclasses import replace
+
+    from rlcli.backends.base import RolloutWorkload
+
+    def build(max_batch_size, workload):
+        ctx = replace(default_context(model_dir), workload=workload)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            EmbeddedBackend(EmbeddedBackend.Config(max_batch_size=max_batch_size), ctx)
+        return caplog.text
+
+    text = build(8, RolloutWorkload(max_sequences=24, max_sequence_tokens=16, train_sequences=24))
+    assert "rollout.max_batch_size=8 is below the 24 training sequences" in text and "max_batch_size: 24" in text
+    assert build(24, RolloutWorkload(24, 16, 24)) == ""
+    assert build(8, RolloutWorkload(500, 16, 0)) == ""  # an eval set queues by design: no warning

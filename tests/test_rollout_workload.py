@@ -41,7 +41,8 @@ def test_the_runner_passes_the_recipe_workload_to_the_backend(quickstart, tmp_pa
     ctx = env.build_backend()
     longest = max(samplers["arith"].prompt_lengths() + samplers["arith_eval"].prompt_lengths())
     # 100 groups of 8 (train) against 100 eval prompts of 1; the response is max_tokens=1 token
-    assert ctx.workload == RolloutWorkload(max_sequences=100 * 8, max_sequence_tokens=longest + 1)
+    assert ctx.workload == RolloutWorkload(max_sequences=100 * 8, max_sequence_tokens=longest + 1,
+                                           train_sequences=100 * 8)
 
 
 def test_workload_counts_over_sampling_shards_and_the_largest_eval_task(repo):
@@ -52,15 +53,15 @@ def test_workload_counts_over_sampling_shards_and_the_largest_eval_task(repo):
     prepared = [(train, Sampler([5, 9])), (ev, Sampler([7] * 90))]
     # replica 1 of 3: 33 groups of the step's 100, +ceil(0.5 x 33) over-sampled, 8 samples each
     w = rollout_workload(prepared, recipe.tasks, 100, recipe.eval.evaluator, (1, 3))
-    assert w == RolloutWorkload(max_sequences=(33 + 17) * 8, max_sequence_tokens=9 + 20)
+    assert w == RolloutWorkload(max_sequences=(33 + 17) * 8, max_sequence_tokens=9 + 20, train_sequences=(33 + 17) * 8)
     # an eval task larger than a training step sets the number; eval alone (`rlcli eval`) too
     big = [(train, Sampler([5])), (ev, Sampler([7] * 5000))]
-    assert rollout_workload(big, recipe.tasks, 100, None, (0, 1)).max_sequences == 5000
+    assert rollout_workload(big, recipe.tasks, 100, None, (0, 1)) == RolloutWorkload(5000, 5 + 20, (100 + 50) * 8)
     eval_cfg = recipe.eval.evaluator.model_copy(update={"sample_num": 300})
-    assert rollout_workload(big[1:], recipe.tasks, 100, eval_cfg, (0, 2)).max_sequences == 150
+    assert rollout_workload(big[1:], recipe.tasks, 100, eval_cfg, (0, 2)) == RolloutWorkload(150, 7 + 1, 0)  # eval alone: its max_tokens 1
     # a sampler that cannot tell its prompts' lengths (and sets no max_prompt_length): length unknown
     unknown = rollout_workload([(train, Sampler(None))], recipe.tasks, 4, None, (0, 1))
-    assert unknown == RolloutWorkload((4 + 2) * 8, None)  # 4 groups + ceil(0.5 x 4) over-sampled
+    assert unknown == RolloutWorkload((4 + 2) * 8, None, (4 + 2) * 8)  # 4 groups + ceil(0.5 x 4) over-sampled
     assert rollout_workload([], recipe.tasks, 100, None, (0, 1)) is None
 
 

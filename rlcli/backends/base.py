@@ -61,11 +61,14 @@ class RolloutWorkload:
     (over-sampled ones included) times their group size, or the largest eval task's prompts times
     its group size, whichever is more. ``max_sequence_tokens``: prompt + response tokens of the
     longest sequence (the longest prompt of the data plus the task's ``max_tokens``); None when a
-    task does not say (a third-party sampler or agent loop).
+    task does not say (a third-party sampler or agent loop). ``train_sequences``: the training part
+    of ``max_sequences`` alone (0 when the replica trains nothing), which an engine with a fixed
+    number of decode slots should hold at once.
     """
 
     max_sequences: int
     max_sequence_tokens: int | None = None
+    train_sequences: int = 0
 
 
 @dataclass

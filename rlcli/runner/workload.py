@@ -70,4 +70,4 @@ def rollout_workload(prepared: Sequence[tuple[TaskConfig, Any]], train_tasks: Se
         return None
     lengths = [_sequence_tokens(tc, s) for tc, s in prepared]
     longest = None if not lengths or None in lengths else max(lengths)
-    return RolloutWorkload(max_sequences=sequences, max_sequence_tokens=longest)
+    return RolloutWorkload(max_sequences=sequences, max_sequence_tokens=longest, train_sequences=in_train)

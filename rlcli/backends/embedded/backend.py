@@ -64,7 +64,9 @@ class EmbeddedBackend(InferenceBackend):
 
     class Config(ComponentConfig):
         max_batch_size: int = Field(
-            256, gt=0, description="Sequences decoded together: the number of KV-cache rows preallocated."
+            256, gt=0, description="Sequences decoded together: the number of KV-cache rows preallocated. "
+            "Requests beyond it queue; fewer rows than the training sequences in flight (a step's groups times "
+            "prompt_repeat_k, over-sampled groups included) is warned at start-up."
         )
         max_model_len: int | None = Field(
             None,
@@ -133,6 +135,12 @@ class EmbeddedBackend(InferenceBackend):
             version=ctx.version,
             shape_stable_decode=cfg.cuda_graphs and self._device.type == "cuda",
         )
+        workload = ctx.workload
+        if workload is not None and workload.train_sequences > cfg.max_batch_size:
+            log.warning("rollout.max_batch_size=%d is below the %d training sequences the recipe has in flight at "
+                        "once (its groups of a step times prompt_repeat_k, over-sampled ones included): the rest "
+                        "wait for a free slot; rollout.max_batch_size: %d decodes them together",
+                        cfg.max_batch_size, workload.train_sequences, workload.train_sequences)
         kv_matches = kv_dtype is None or kv_dtype == self._model.dtype
         if cfg.attention == "triton" or (
             cfg.attention == "auto" and self._device.type == "cuda" and kv_matches
