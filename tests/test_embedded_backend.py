@@ -776,3 +776,13 @@ def test_fewer_slots_than_training_sequences_in_flight_is_warned(model_dir, capl
     assert "rollout.max_batch_size=8 is below the 24 training sequences" in text and "max_batch_size: 24" in text
     assert build(24, RolloutWorkload(24, 16, 24)) == ""
     assert build(8, RolloutWorkload(500, 16, 0)) == ""  # an eval set queues by design: no warning
+
+
+def test_logprobs_only_for_the_requests_that_ask(model_dir):
+    be = make(model_dir)
+    both = run_all(be, [req([5, 6, 7], seed=1, max_tokens=4, ignore_eos=True),
+                        req([5, 6, 7], seed=1, max_tokens=4, ignore_eos=True, return_logprob=False)])
+    asked, not_asked = both
+    assert asked.token_ids == not_asked.token_ids and len(asked.logprobs) == 4 and not_asked.logprobs == []
+    alone = run_all(be, [req([8, 9], max_tokens=3, ignore_eos=True, return_logprob=False)])[0]
+    assert len(alone.token_ids) == 3 and alone.logprobs == [] and len(alone.versions) == 3

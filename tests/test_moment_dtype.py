@@ -136,10 +136,14 @@ def test_a_float32_moment_state_loads_into_bfloat16_moments():
     _, ref = _run(torch.optim.AdamW, steps=2, foreach=False)
     params = _params(0)
     opt = MomentDtypeAdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    opt.load_state_dict(ref.state_dict())
+    saved = ref.state_dict()
+    # a step count stored otherwise than on the host in float32 (a fused AdamW keeps it on the device)
+    saved = {**saved, "state": {i: {**st, "step": st["step"].double()} for i, st in saved["state"].items()}}
+    opt.load_state_dict(saved)
     for p_ref, p in zip(ref.param_groups[0]["params"], params):
         st = opt.state[p]
-        assert st["exp_avg"].dtype == torch.bfloat16 and torch.equal(st["step"], ref.state[p_ref]["step"])
+        assert st["exp_avg"].dtype == torch.bfloat16 and float(st["step"]) == float(ref.state[p_ref]["step"]) == 2
+        assert st["step"].device.type == "cpu" and st["step"].dtype == torch.float32
         assert torch.equal(st["exp_avg_sq"], ref.state[p_ref]["exp_avg_sq"].to(torch.bfloat16))
 
 

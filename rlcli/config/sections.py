@@ -143,9 +143,9 @@ class OptimizerConfig(Strict):
     eps: float = Field(1e-8, gt=0, description="Adam epsilon.")
     moment_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype AdamW stores its two moment estimates in. bfloat16 halves the optimizer's "
-        "memory (12 bytes a trained parameter with weights and gradients, instead of 16: a 7B model then trains "
-        "on one 141 GB GPU beside its engine); the update is still computed in float32 and applied to float32 "
-        "master weights. float32 uses torch's fused AdamW.")
+        "memory (12 bytes a trained parameter with weights and gradients, instead of 16: 91 GB instead of 122 GB "
+        "for a 7B model); the update is still computed in float32 and applied to float32 master weights. "
+        "float32 uses torch's fused AdamW.")
 
     @field_validator("betas")
     @classmethod

@@ -33,7 +33,9 @@ class Finishing(RowState):
             if longest > 0:
                 idx = torch.as_tensor(rows_np, dtype=torch.int64).to(self.device, non_blocking=True)
                 toks = self._out_tok[idx, :longest].cpu().tolist()
-                lps = self._out_lp[idx, :longest].cpu().tolist()
+                # the logprobs cross to the host only for requests that asked (return_logprob)
+                asked = any(self._rows[r].params.return_logprob for r in rows_np.tolist())
+                lps = self._out_lp[idx, :longest].cpu().tolist() if asked else None
                 vers = self._out_ver[idx, :longest].cpu().tolist()
             else:
                 toks = lps = vers = [[] for _ in range(len(rows_np))]
@@ -45,7 +47,7 @@ class Finishing(RowState):
                 why = reason
                 if why is None:
                     why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
-                lp = lps[i][:g] if seq.params.return_logprob else []  # free here, but not asked for
+                lp = lps[i][:g] if seq.params.return_logprob else []
                 out.append((seq, GenerateOutput(tokens, lp, vers[i][:g], why, error)))
             self._compact(rows_np)
             return out
