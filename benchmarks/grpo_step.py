@@ -133,7 +133,15 @@ def make_model_dir(d: Path) -> Path:
                       tie_word_embeddings=SHAPE.get("tied", True),
                       eos_token_id=v - 1, pad_token_id=v - 2, bos_token_id=None)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=DTYPE).save_pretrained(str(d))
+    # on the GPU when there is one: the CPU's random init of the 7B shape took most of the 320 s
+    # before the first step (ninth session); the GPU's values differ, not their distribution
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
+    model.save_pretrained(str(d))
+    del model
+    if DEVICE == "cuda":  # the runs after the build start with its memory freed and out of the peaks
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     return d
 
 

@@ -66,6 +66,10 @@ ASYNC = ["rollout.max_batch_size=768", "replay_buffer.name=async", "tasks.0.prod
          "tasks.0.produce_strategy.over_sample_threshold=0.5", "tasks.0.produce_strategy.enable_partial_rollout=true",
          "tasks.0.produce_strategy.max_staleness=1", "tasks.0.produce_strategy.tail_batch_trigger_size=0",
          "tasks.0.produce_strategy.tail_batch_max_tries=3"]
+# steps of a long-tailed rlcli row (the first warms up): in the ninth session's async rows the engine
+# captured 10-22 CUDA graphs in each of steps 2-4 (partial rollouts meet new (rows, keys) shapes),
+# and 0-1 in step 5; a sync row sees its shapes in step 1
+LONGTAIL_STEPS = 8
 EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE)
     "0.5b-full-rlcli-lora": ("0.5b", "full", "rlcli LoRA", ["model.lora.r=16", "model.lora.alpha=32"]),
     "0.5b-full-rlcli-kl": ("0.5b", "full", "rlcli KL", ["train_worker.kl.coef=0.001"]),
@@ -89,11 +93,11 @@ class Run:
     extra: list[str] = field(default_factory=list)  # the row's own rlcli overrides (the table's settings)
 
 
-def rlcli_run(rid: str, shape: str, lengths: str, row: str, extra: list[str]) -> Run:
+def rlcli_run(rid: str, shape: str, lengths: str, row: str, extra: list[str], steps: int = 5) -> Run:
     preset = {kv.split("=", 1)[0] for kv in gs.SHAPE_PRESETS.get(shape, [])}
     base = [kv for kv in HEADLINE if kv.split("=", 1)[0] not in preset]  # the shape's preset wins
     sets = [a for kv in base + extra for a in ("--set", kv)]
-    return Run(rid, shape, lengths, row, ["--rlcli", "--label", rid.split("-", 2)[2]] + sets,
+    return Run(rid, shape, lengths, row, ["--rlcli", "--label", rid.split("-", 2)[2]] + sets, steps,
                extra=gs.SHAPE_PRESETS.get(shape, []) + extra)
 
 
@@ -102,9 +106,12 @@ def plan_runs() -> list[Run]:
     for shape in SHAPE_ORDER:
         for lengths in ("full", "longtail"):
             base = f"{shape}-{lengths}"
-            runs.append(rlcli_run(f"{base}-rlcli", shape, lengths, "rlcli", []))
+            # long-tailed rows take LONGTAIL_STEPS: async meets new decode shapes (CUDA graphs) for
+            # several steps, and sync is measured over as many steps to compare like with like
+            steps = LONGTAIL_STEPS if lengths == "longtail" else 5
+            runs.append(rlcli_run(f"{base}-rlcli", shape, lengths, "rlcli", [], steps))
             if lengths == "longtail":
-                runs.append(rlcli_run(f"{base}-rlcli-async", shape, lengths, "rlcli async", ASYNC))
+                runs.append(rlcli_run(f"{base}-rlcli-async", shape, lengths, "rlcli async", ASYNC, steps))
             slow = shape in ("3b", "7b")
             runs.append(Run(f"{base}-trl-vllm", shape, lengths, "TRL + vLLM colocate, tuned", ["--trl-vllm-tuned"],
                             3 if slow else 5))
@@ -288,11 +295,21 @@ def table(records: list[dict]) -> str:
             peak = f"{peak}; host {r['host_peak_gib']}"
         note = "vLLM " + ", ".join(f"{k}={v}" for k, v in (r.get("settings") or {}).items()) if "vllm" in r else ""
         if r.get("trainable_params"):
-            note = f"trains {r['trainable_params'] / 1e6:.1f}M parameters"
+            note = rlcli_note(r)
         lines.append(head + f"| {r['step_s_median']} ({r['step_s_min']}-{r['step_s_max']}) | {r.get('rollout_s')} | "
                      f"{r.get('train_s')} | {r.get('sync_s')} | {r.get('gen_tok_per_s')} | {r.get('train_mfu')} | "
                      f"{peak} | {lens} | {note.replace('|', '/')} |")
     return "\n".join(lines + [""] + ratios(records)) + "\n"
+
+
+def rlcli_note(r: dict) -> str:
+    """An rlcli row's note: the parameters it trains, and the CUDA graphs its engine captured in
+    the measured steps (a capture is time that a step past them no longer pays)."""
+    note = f"trains {r['trainable_params'] / 1e6:.1f}M parameters"
+    caps = [int(s.get("cuda_graph_captures") or 0) for s in r.get("per_step") or [] if s.get("measured")]
+    if any(caps):
+        note += f"; CUDA graphs captured in the measured steps: {' + '.join(map(str, caps))}"
+    return note
 
 
 def ratios(records: list[dict]) -> list[str]:

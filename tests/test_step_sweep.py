@@ -41,6 +41,20 @@ def test_plan_covers_every_shape_and_length():
     assert [r.id for r in sw.select(runs, "7b-*-trl-vllm")] == ["7b-full-trl-vllm", "7b-longtail-trl-vllm"]
 
 
+def test_long_tail_rows_measure_past_the_graph_captures():
+    by = {r.id: r for r in sw.plan_runs()}
+    for shape in sw.SHAPE_ORDER:  # sync and async over as many steps, past async's new decode shapes
+        assert by[f"{shape}-longtail-rlcli"].steps == by[f"{shape}-longtail-rlcli-async"].steps == sw.LONGTAIL_STEPS
+        assert sw.LONGTAIL_STEPS > by[f"{shape}-full-rlcli"].steps
+    rec = _rec("0.5b-longtail-rlcli-async", 4.0)
+    rec["results"][0].update(trainable_params=494e6, per_step=[
+        {"cuda_graph_captures": 29.0, "measured": False}, {"cuda_graph_captures": 13.0, "measured": True},
+        {"cuda_graph_captures": 0.0, "measured": True}])
+    assert "trains 494.0M parameters; CUDA graphs captured in the measured steps: 13 + 0" in sw.table([rec])
+    rec["results"][0]["per_step"][1]["cuda_graph_captures"] = 0.0  # none in the measured steps: not said
+    assert "captured" not in sw.table([rec])
+
+
 def test_calls_keep_to_the_budget():
     runs = sw.plan_runs()
     calls = sw.pack_calls(runs, 540)

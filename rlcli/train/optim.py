@@ -109,8 +109,9 @@ class MomentDtypeAdamW(torch.optim.Optimizer):
     to the corrected root of the second moment), computed in float32 and applied to the float32
     master weights; only the stored moments are rounded. With bfloat16 moments the optimizer holds
     4 bytes a parameter instead of 8, so a full fine-tune needs 12 bytes a parameter (weights,
-    gradients, moments) instead of 16: 91 GB instead of 122 GB for a 7B model, which is meant to
-    fit on one 141 GB GPU beside its engine (not yet run on a GPU). Moments in bfloat16 with
+    gradients, moments) instead of 16: 91 GB instead of 122 GB for a 7B model. With it a 7B
+    shape trained on one H200 beside its engine, nothing offloaded (peak 122.4 GiB of 139.8;
+    docs/benchmarks.md, "Fourth runs"). Moments in bfloat16 with
     float32 master weights are what DeepSeek-V3 trained with; bfloat16 *weights* would lose updates
     below their 8-bit mantissa (an lr of 1e-6 on a weight of 0.02), and are not offered.
 
