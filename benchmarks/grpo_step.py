@@ -450,9 +450,12 @@ def per_step(rows: list[dict], measured: list[dict]) -> list[dict]:
     return [{"step": i, "step_s": round(r["timing/step_s"], 3), "rollout_s": round(r["timing/rollout_s"], 3),
              "train_s": round(r["timing/train_s"], 3), "sync_s": round(r["timing/sync_s"], 4),
              **{k: round(r[f"timing/{k}"], 4) for k in ("sleep_s", "wake_up_s") if f"timing/{k}" in r},
-             # the engine's own view of the rollout: time with work, scheduler steps, graphs captured
-             **{k: round(r[f"engine/{k}"], 4) for k in ("busy_s", "steps", "cuda_graph_captures")
+             # the engine's own view of the rollout: time with work, scheduler steps, graphs captured,
+             # tokens made and prefilled (a resumed partial response is prefilled again)
+             **{k: round(r[f"engine/{k}"], 4) for k in ("busy_s", "steps", "cuda_graph_captures", "generated_tokens",
+                                                        "prefill_tokens", "shared_prefill_tokens")
                 if f"engine/{k}" in r},
+             **{k: r[f"rollout/{k}"] for k in ("partial_resumed_samples", "rerolled_samples") if f"rollout/{k}" in r},
              "measured": any(r is m for m in measured)} for i, r in enumerate(rows, 1)]
 
 

@@ -1,4 +1,4 @@
-"""Helpers of benchmarks/grpo_step.py that run without a GPU: the --memory summaries."""
+"""Helpers of benchmarks/grpo_step.py that run without a GPU: the --memory summaries, the per-step records."""
 
 from __future__ import annotations
 
@@ -46,3 +46,15 @@ def test_memory_peak_is_replayed_from_the_allocation_trace():
     assert [line.split()[-1] for line in lines[1:]] == ["activations", "weights", "logits"]
     # event times on another clock than the window: the whole trace's peak, said so
     assert "whole trace" in gs.peak_in_trace({"device_traces": [trace]}, start_us=1e15, end_us=2e15).splitlines()[0]
+
+
+def test_per_step_records_the_engine_and_the_resumed_partial_responses():
+    base = {"timing/step_s": 2.0, "timing/rollout_s": 1.0, "timing/train_s": 0.9, "timing/sync_s": 0.01}
+    rows = [dict(base), dict(base, **{"engine/busy_s": 0.8, "engine/steps": 600.0, "engine/cuda_graph_captures": 13.0,
+                                     "engine/generated_tokens": 1.5e5, "engine/prefill_tokens": 4e4,
+                                     "rollout/partial_resumed_samples": 90.0, "rollout/rerolled_samples": 0.0})]
+    first, second = gs.per_step(rows, rows[1:])
+    assert first == {"step": 1, "step_s": 2.0, "rollout_s": 1.0, "train_s": 0.9, "sync_s": 0.01, "measured": False}
+    assert second["measured"] and second["cuda_graph_captures"] == 13.0 and second["prefill_tokens"] == 4e4
+    assert second["generated_tokens"] == 1.5e5 and second["partial_resumed_samples"] == 90.0
+    assert second["rerolled_samples"] == 0.0
