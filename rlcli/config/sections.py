@@ -144,7 +144,8 @@ class OptimizerConfig(Strict):
     moment_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype AdamW stores its two moment estimates in. bfloat16 halves the optimizer's "
         "memory (12 bytes a trained parameter with weights and gradients, instead of 16: 91 GB instead of 122 GB "
-        "for a 7B model, which then trains on one 141 GB H200 without offload); the update is still computed in float32 and applied to float32 master weights. "
+        "for a 7B model: the benchmark's 7B step trained so on one H200, nothing offloaded); the update is still "
+        "computed in float32 and applied to float32 master weights. "
         "float32 uses torch's fused AdamW.")
 
     @field_validator("betas")
