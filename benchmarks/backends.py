@@ -129,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--run-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a rollout setting of the run section's engine on top of the script's (repeatable; dotted "
                          "keys, YAML values): the engine tuned for the workload, through rlcli and bare alike, "
-                         "e.g. engine_kwargs.cuda_graph_max_bs=512 or use_request_seeds=false")
+                         "e.g. engine_kwargs.chunked_prefill_size=16384 (SGLang) or use_request_seeds=false")
     ap.add_argument("--kit-variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                     help="for --sections copies: one kit engine per variant, with these settings on top of "
                          "--kit-set (repeatable; 'NAME:' for none), e.g. no_radix:engine_kwargs.disable_radix_cache=true")

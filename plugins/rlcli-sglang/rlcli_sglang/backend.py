@@ -90,7 +90,8 @@ class SGLangBackend(EngineBackend):
         max_batch_size: int | None = Field(
             None, gt=0, description="Requests decoded together (SGLang's max_running_requests). Default: the recipe's "
             "sequences in flight (one step's groups x group size, or the largest eval set; at most 1024), "
-            "else SGLang's."
+            "else SGLang's. Decode CUDA graphs are captured up to it (at most 1024 rows; SGLang's own "
+            "default stops at 256 on a 141 GB GPU) unless engine_kwargs names graph sizes."
         )
         tp_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallelism), from the run's device on.")
         disable_cuda_graph: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")

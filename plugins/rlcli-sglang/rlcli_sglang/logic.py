@@ -107,6 +107,15 @@ PAGE_SIZE = 1
 AUTO_STATIC_FRACTION = 0.9
 FALLBACK_STATIC_FRACTION = 0.5
 
+# Decode CUDA graphs. SGLang 0.5.17 sizes them from the GPU's memory, not from the workload: up to
+# 256 rows on a 141 GB GPU with tp_size 1 (ServerArgs' memory-based defaults), and it decodes a
+# larger batch without graphs, kernel by kernel. The plugin captures them up to the run's batch
+# (max_running_requests; SGLang drops sizes above it), at most DECODE_GRAPH_ROWS_MAX rows: each
+# captured size costs start-up time and about 2 MB that SGLang reserves per row of the largest.
+# engine_kwargs that name graph sizes themselves win.
+DECODE_GRAPH_ROWS_MAX = 1024
+DECODE_GRAPH_KWARGS = ("cuda_graph_max_bs_decode", "cuda_graph_bs_decode", "cuda_graph_config")
+
 
 def memory_kwargs(cfg: Any, kv: Any = None) -> dict[str, Any]:
     """SGLang's memory arguments. An explicit ``mem_fraction_static`` goes through as it is. 'auto'
@@ -149,6 +158,8 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
     batch = max_batch_size if max_batch_size is not None else cfg.max_batch_size
     if batch is not None:
         kw["max_running_requests"] = int(batch)
+        if not cfg.disable_cuda_graph and not any(k in cfg.engine_kwargs for k in DECODE_GRAPH_KWARGS):
+            kw["cuda_graph_max_bs_decode"] = min(int(batch), DECODE_GRAPH_ROWS_MAX)
     if cfg.use_request_seeds:
         # SGLang reads `sampling_seed` only in deterministic mode (which also picks the pytorch sampler)
         kw["enable_deterministic_inference"] = True

@@ -46,6 +46,22 @@ def test_engine_kwargs_maps_rlcli_names_to_sglang_ones():
     assert kw["dtype"] == "float16"
 
 
+def test_decode_graphs_cover_the_run_batch_unless_told_otherwise():
+    def kw(**c):
+        return engine_kwargs(cfg(**c), model_dir="/m", dtype=torch.bfloat16, seed=0, gpu_id=0)
+
+    assert kw(max_batch_size=512)["cuda_graph_max_bs_decode"] == 512  # SGLang's own stops at 256 on an H200
+    assert kw(max_batch_size=64)["cuda_graph_max_bs_decode"] == 64
+    assert kw(max_batch_size=4096)["cuda_graph_max_bs_decode"] == 1024  # bounded start-up and memory
+    run = engine_kwargs(cfg(), model_dir="/m", dtype=torch.bfloat16, seed=0, gpu_id=0, max_batch_size=768)
+    assert run["max_running_requests"] == 768 and run["cuda_graph_max_bs_decode"] == 768  # the run's batch
+    assert "cuda_graph_max_bs_decode" not in kw()  # no batch known: SGLang's default
+    assert "cuda_graph_max_bs_decode" not in kw(max_batch_size=512, disable_cuda_graph=True)
+    assert kw(max_batch_size=512, engine_kwargs={"cuda_graph_max_bs_decode": 128})["cuda_graph_max_bs_decode"] == 128
+    listed = kw(max_batch_size=512, engine_kwargs={"cuda_graph_bs_decode": [1, 8, 64]})
+    assert "cuda_graph_max_bs_decode" not in listed and listed["cuda_graph_bs_decode"] == [1, 8, 64]
+
+
 def test_float32_is_refused_with_the_measured_reason():
     # SGLang 0.5.17 on an H200: sgl-kernel's RMSNorm has no float32 path, the scheduler dies at start-up
     with pytest.raises(ValueError, match="model.dtype: bfloat16") as exc:
