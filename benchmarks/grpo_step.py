@@ -135,7 +135,11 @@ def make_model_dir(d: Path) -> Path:
     torch.manual_seed(0)
     # on the GPU when there is one: the CPU's random init of the 7B shape took most of the 320 s
     # before the first step (ninth session); the GPU's values differ, not their distribution
-    with torch.device(DEVICE):
+    try:
+        with torch.device(DEVICE):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
+    except Exception as exc:  # not run on the GPU yet: a failure there must not cost the run
+        print(f"[model] random init on {DEVICE} failed ({exc!r}); building on the CPU", flush=True)
         model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
     model.save_pretrained(str(d))
     del model
