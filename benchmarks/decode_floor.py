@@ -12,7 +12,9 @@ where reading the weights once takes 0.2 ms. This script measures the step direc
 ``grpo_step.py`` (``--shape``) in the embedded backend with the settings of a run on CUDA
 (compiled decode layers and sampler, CUDA graphs, Triton attention; ``--set`` changes the
 rollout config), fed ``rows`` sequences whose prompts are ``context`` tokens long, each decoding
-``--steps`` tokens with EOS ignored. The scheduler is driven on this thread
+``--steps`` tokens with EOS ignored; with ``--taper MEAN`` also rounds whose rows end at
+geometric lengths of that mean (rows finish along the way, as in the long tail, where a
+finishing row's outputs are copied to the host). The scheduler is driven on this thread
 (``engine.step()``): one round captures the graphs of the shape, a second is timed, and the first
 step of each round (admission and prefill) is left out. Reported per point: milliseconds a
 decode step, and the weight bytes read a step against that time (GB/s), the floor a
@@ -45,7 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model-cache", type=Path, default=None, help="as grpo_step.py's (reuses its model)")
     ap.add_argument("--rows", default="1,8,32,128,512", help="comma-separated row counts")
     ap.add_argument("--context", default="128,512,1024", help="comma-separated prompt lengths (tokens)")
-    ap.add_argument("--steps", type=int, default=64, help="decode steps a round")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps a round (the longest row's)")
+    ap.add_argument("--taper", type=float, default=None, metavar="MEAN",
+                    help="also time rounds whose rows end at geometric lengths of this mean, cut at --steps "
+                         "(rows finish along the way, as in the long tail)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an embedded rollout setting (dotted keys, YAML values), e.g. cuda_graphs=false")
     ap.add_argument("--profile", type=Path, help="write a kernel table of 20 decode steps here")
@@ -75,14 +80,27 @@ def build_backend(args: argparse.Namespace, max_rows: int, max_len: int):
     return EmbeddedBackend(EmbeddedBackend.Config(**conf), ctx), v
 
 
-def one_round(engine, rows: int, context: int, steps: int, vocab: int, seed: int) -> tuple[float, int]:
+def lengths_of(rows: int, steps: int, taper: float | None, seed: int) -> list[int]:
+    """Each row's new tokens: ``steps`` for all, or (``taper``) geometric with that mean, cut at
+    ``steps`` (as the sweep's long tail, without EOS: rows then finish at every length)."""
+    if taper is None:
+        return [steps] * rows
+    g = torch.Generator().manual_seed(seed)
+    p = 1.0 / taper
+    u = torch.rand(rows, generator=g, dtype=torch.float64).clamp_min(1e-12)
+    drawn = (torch.log(u) / torch.log1p(torch.tensor(-p, dtype=torch.float64))).ceil().long().clamp(1, steps)
+    return drawn.tolist()
+
+
+def one_round(engine, rows: int, context: int, steps: int, vocab: int, seed: int,
+              taper: float | None = None) -> tuple[float, int]:
     """Seconds and number of the round's decode steps after its first (admission + prefill)."""
     from rlcli.backends.base import GenerateRequest
     from rlcli.types import SampleParams
 
     g = torch.Generator().manual_seed(seed)
-    params = SampleParams(max_tokens=steps, min_tokens=steps, ignore_eos=True, temperature=1.0)
-    for i in range(rows):
+    for i, n in enumerate(lengths_of(rows, steps, taper, seed)):
+        params = SampleParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=1.0)
         prompt = torch.randint(0, vocab - 3, (context,), generator=g).tolist()
         engine.submit(engine.make_sequence(GenerateRequest(prompt_ids=prompt, params=params, seed=i), seed))
     engine.step()  # admission, prefill and the first token
@@ -117,6 +135,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     ctx_grid = [int(c) for c in args.context.split(",")]
     if args.tiny:
         rows_grid, ctx_grid, args.steps = [1, 4], [8, 16], 4
+        args.taper = 2.0 if args.taper is not None else None
     backend, vocab = build_backend(args, max(rows_grid), max(ctx_grid) + args.steps + 8)
     engine = backend.engine
     wbytes = weight_bytes(engine)
@@ -130,6 +149,13 @@ def measure(args: argparse.Namespace) -> list[dict]:
                                  ms_per_step=round(ms, 4), weight_gb=round(wbytes / 1e9, 3),
                                  weight_gb_per_s=round(wbytes / 1e9 / (ms / 1e3), 1) if ms > 0 else None,
                                  settings=list(args.set)))
+            if args.taper is not None:
+                one_round(engine, rows, context, args.steps, vocab, seed=1, taper=args.taper)
+                secs, n = one_round(engine, rows, context, args.steps, vocab, seed=2, taper=args.taper)
+                active = sum(lengths_of(rows, args.steps, args.taper, 2)) / max(n + 1, 1)
+                out.append(gs.result(what="decode_floor_taper", rows=rows, context=context, decode_steps=n,
+                                     mean_tokens=args.taper, mean_active_rows=round(active, 1),
+                                     ms_per_step=round(1e3 * secs / max(n, 1), 4), settings=list(args.set)))
     if args.profile is not None:
         gs.PROFILE_DIR, gs.PROFILE_WHAT = args.profile, "all"
         args.profile.mkdir(parents=True, exist_ok=True)
