@@ -147,7 +147,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             ms = 1e3 * secs / max(n, 1)
             out.append(gs.result(what="decode_floor", rows=rows, context=context, decode_steps=n,
                                  ms_per_step=round(ms, 4), weight_gb=round(wbytes / 1e9, 3),
-                                 weight_gb_per_s=round(wbytes / 1e9 / (ms / 1e3), 1) if ms > 0 else None,
+                                 weight_gb_per_s=round(wbytes / 1e9 / (ms / 1e3), 3) if ms > 0 else None,
                                  settings=list(args.set)))
             if args.taper is not None:
                 one_round(engine, rows, context, args.steps, vocab, seed=1, taper=args.taper)
