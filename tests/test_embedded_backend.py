@@ -253,6 +253,68 @@ def test_overlapped_decode_gives_the_synchronous_results(model_dir):
         assert len(b.token_ids) == len(b.logprobs) == len(b.versions)
 
 
+class _LateEvent:
+    """Stands in for the CUDA event of a deferred finish on the CPU: not complete for the first
+    ``lag`` queries (a copy still behind the queued decode step)."""
+
+    def __init__(self, lag):
+        self.lag = lag
+
+    def query(self):
+        self.lag -= 1
+        return self.lag < 0
+
+    def synchronize(self):
+        self.lag = -1
+
+
+def _defer_finishes(engine, lag):
+    engine.overlap = True
+    engine._defer_finish = True
+    engine._copy_event = lambda: _LateEvent(lag)
+
+
+def test_deferred_finishes_give_the_synchronous_results(model_dir):
+    """Finished rows whose outputs are handed out steps later (their copies still in flight, as on a
+    GPU) change no token, logprob, version or finish reason, with rows stopping at every step."""
+    be = make(model_dir, max_batch_size=8, max_prefill_tokens=24)
+    requests = _stopping_requests(be, random.Random(11), 40)
+    be.engine.overlap = True
+    outs = [run_all(be, requests)]
+    _defer_finishes(be.engine, lag=2)
+    outs.append(run_all(be, requests))
+    assert be.engine.num_active == 0 and not be.engine._in_flight and not be.engine.has_work()
+    be.shutdown()
+    for r, a, b in zip(requests, *outs):
+        assert (a.token_ids, a.finish_reason, a.versions) == (b.token_ids, b.finish_reason, b.versions), r.prompt_ids
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_deferred_finishes_come_later_and_abort_and_failure_hand_them_out(model_dir):
+    be = make(model_dir, max_batch_size=4)
+    engine = be.engine
+    _defer_finishes(engine, lag=100)  # never complete on their own
+    short = engine.make_sequence(req([5, 9, 7], temperature=0.0, max_tokens=3, ignore_eos=True), 0)
+    long = engine.make_sequence(req([6, 6], temperature=0.0, max_tokens=20, ignore_eos=True), 0)
+    engine.submit(short)
+    engine.submit(long)
+    handed = [engine.step() for _ in range(4)]  # the short row finishes in step 3 (its flag read late)
+    assert handed == [[], [], [], []] and len(engine._in_flight) == 1 and engine.num_active == 1
+    assert engine.has_work()
+    done = dict((id(s), o) for s, o in engine.abort_all())  # finished rows end as they did
+    assert done[id(short)].finish_reason == "length" and len(done[id(short)].token_ids) == 3
+    assert done[id(long)].finish_reason == "abort" and not engine._in_flight
+    for max_tokens in (3, 20):
+        engine.submit(engine.make_sequence(req([5, 9, 7], temperature=0.0, max_tokens=max_tokens, ignore_eos=True), 0))
+    assert [engine.step() for _ in range(4)] == [[], [], [], []] and len(engine._in_flight) == 1
+    failed = engine.fail_all("boom")  # the device's state is unknown: so is the copy in flight
+    assert [(o.finish_reason, o.error) for _, o in failed] == [("error", "boom")] * 2 and not engine.has_work()
+    engine.submit(engine.make_sequence(req([5, 9, 7], temperature=0.0, max_tokens=2, ignore_eos=True), 0))
+    # prefill and one decode step end it in step 1; no row runs then, so its copy is waited for at once
+    assert [len(engine.step())] == [1] and not engine._in_flight and not engine.has_work()
+    be.shutdown()
+
+
 def test_abort_after_an_unread_stop_reports_the_stop(model_dir):
     """With overlap, a row that sampled its stop token in the last step is finished by the next
     step; aborting before that step reports it as stopped, with its tokens up to the stop."""

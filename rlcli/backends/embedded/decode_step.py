@@ -97,7 +97,7 @@ class DecodeStep(RowSampling, Finishing):
         stopped = self._read_flags(old, previous)
         extra = int(stopped.sum())
         self._h_gen[:b] -= stopped
-        self._finish_where_done(rows_np, stopped, done)
+        self._finish_where_done(rows_np, stopped, done, defer=True)
         return b - extra
 
     def _write_prefix_rows(self, b: int) -> None:

@@ -25,6 +25,7 @@ from rlcli.backends.base import GenerateOutput, GenerateRequest
 from rlcli.backends.embedded.admission import Admission
 from rlcli.backends.embedded.cuda_graphs import CudaGraphDecoder
 from rlcli.backends.embedded.decode_step import DecodeStep
+from rlcli.backends.embedded.finishing import FinishedRows
 from rlcli.backends.embedded.kv_cache import KVCache
 from rlcli.backends.embedded.model import LlamaFamilyModel
 from rlcli.backends.embedded.sampling import sample_plain_keyed, seed_keys
@@ -91,6 +92,8 @@ class EmbeddedEngine(Admission, DecodeStep):
         self._stats = self._zero_stats()
         self._captures_read = 0
         self._done: list[tuple[Sequence, GenerateOutput]] = []
+        self._in_flight: deque[FinishedRows] = deque()  # finished rows whose outputs are being copied
+        self._defer_finish = self.overlap and self.device.type == "cuda"
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size,
                                                 prefix=(self._prefix_rows, self._prefix_lens))
@@ -130,7 +133,7 @@ class EmbeddedEngine(Admission, DecodeStep):
         return len(self._waiting)
 
     def has_work(self) -> bool:
-        return self._active > 0 or bool(self._waiting) or bool(self._cancelled)
+        return self._active > 0 or bool(self._waiting) or bool(self._cancelled) or bool(self._in_flight)
 
     @staticmethod
     def _zero_stats() -> dict[str, float]:
@@ -205,6 +208,8 @@ class EmbeddedEngine(Admission, DecodeStep):
         generated = self._admit(done)
         if self._active:
             generated += self._decode(done)
+        # outputs copied in earlier steps; all of them once no row runs (nothing left to overlap)
+        self._emit_finished(done, wait=not self._active)
         self._done = []
         with self._stats_lock:
             self._stats["generated_tokens"] += generated
@@ -217,6 +222,7 @@ class EmbeddedEngine(Admission, DecodeStep):
         """Finish every running sequence with ``reason`` (keeping its tokens so far) and every
         waiting one with no tokens."""
         done: list[tuple[Sequence, GenerateOutput]] = []
+        self._emit_finished(done, wait=True)  # sequences that finished before the abort end as they did
         self._finish_pending_stops(done)  # sequences that already ended with a stop token end as such
         if self._active:
             done += self._finish(np.arange(self._active), reason=reason, error=error)
@@ -230,6 +236,9 @@ class EmbeddedEngine(Admission, DecodeStep):
         """After an engine failure: end every sequence with finish "error" without touching the
         device (whose state is unknown) and reset the scheduler so new requests are served."""
         done, self._done = self._done, []
+        # rows whose outputs were still being copied: the device's state is unknown, so is their copy
+        done += [(s, GenerateOutput(finish_reason="error", error=error)) for fin in self._in_flight for s in fin.seqs]
+        self._in_flight.clear()
         done += [(s, GenerateOutput(finish_reason="error", error=error)) for s in self._rows[: self._active] if s]
         with self._qlock:
             waiting, self._waiting = list(self._waiting), deque()

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -10,47 +14,106 @@ from rlcli.backends.embedded.kv_cache import KVCache
 from rlcli.backends.embedded.state import RowState, Sequence
 
 
+@dataclass(eq=False)
+class FinishedRows:
+    """Rows that finished together: their sequences, generated counts and end reason, and their
+    tokens, logprobs (None unless a request asked) and versions as host tensors. ``ready`` is the
+    event recorded after the copies that fill those tensors (None: already filled)."""
+
+    seqs: list[Sequence]
+    gens: np.ndarray
+    reason: str | None
+    error: str | None
+    toks: torch.Tensor | None
+    lps: torch.Tensor | None
+    vers: torch.Tensor | None
+    ready: Any = None
+
+    def outputs(self) -> list[tuple[Sequence, GenerateOutput]]:
+        if self.toks is None:
+            toks = lps = vers = [[] for _ in self.seqs]
+        else:
+            toks, vers = self.toks.tolist(), self.vers.tolist()
+            lps = self.lps.tolist() if self.lps is not None else None
+        out = []
+        for i, seq in enumerate(self.seqs):
+            g = int(self.gens[i])
+            tokens = toks[i][:g]
+            why = self.reason
+            if why is None:
+                why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
+            lp = lps[i][:g] if seq.params.return_logprob else []
+            out.append((seq, GenerateOutput(tokens, lp, vers[i][:g], why, self.error)))
+        return out
+
+
 class Finishing(RowState):
     """The part of :class:`~rlcli.backends.embedded.engine.EmbeddedEngine` that ends sequences:
     their tokens, logprobs and versions leave the device buffers, and the last active rows move
-    into the freed rows so that active rows stay ``0..B-1``."""
+    into the freed rows so that active rows stay ``0..B-1``.
+
+    A finish in the overlapped decode path (``defer``) does not wait for the device: the
+    outputs are copied into pinned host memory behind the decode step already queued, and handed
+    out by a later step once their event has completed (:meth:`_emit_finished`), as the stop
+    flags are. Reading them at once (``.cpu()``) would drain the queue, and the GPU would then
+    idle while the host finishes the rows and prepares the next step."""
 
     device: torch.device
     cache: KVCache
+    _in_flight: deque[FinishedRows]
+    _defer_finish: bool  # finishes in the overlapped path copy asynchronously (CUDA)
 
-    def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list) -> None:
+    def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list, defer: bool = False) -> None:
         finished = stop | (self._h_gen[rows_np] >= self._h_max_new[rows_np])
         if finished.any():
-            done += self._finish(rows_np[finished])
+            done += self._finish(rows_np[finished], defer=defer)
 
     def _finish(
-        self, rows_np: np.ndarray, reason: str | None = None, error: str | None = None
+        self, rows_np: np.ndarray, reason: str | None = None, error: str | None = None, defer: bool = False
     ) -> list[tuple[Sequence, GenerateOutput]]:
-        """Collect the outputs of ``rows_np`` (sorted row indices) and free their rows."""
+        """Collect the outputs of ``rows_np`` (sorted row indices) and free their rows. With
+        ``defer`` (and ``_defer_finish``) the outputs come later, from :meth:`_emit_finished`."""
         with torch.profiler.record_function("rlcli/engine/finish"):  # a named range in profiler traces
-            gens = self._h_gen[rows_np]
+            seqs = [self._rows[r] for r in rows_np.tolist()]
+            gens = self._h_gen[rows_np].copy()
             longest = int(gens.max()) if len(gens) else 0
+            fin = FinishedRows(seqs, gens, reason, error, None, None, None)
             if longest > 0:
                 idx = torch.as_tensor(rows_np, dtype=torch.int64).to(self.device, non_blocking=True)
-                toks = self._out_tok[idx, :longest].cpu().tolist()
                 # the logprobs cross to the host only for requests that asked (return_logprob)
-                asked = any(self._rows[r].params.return_logprob for r in rows_np.tolist())
-                lps = self._out_lp[idx, :longest].cpu().tolist() if asked else None
-                vers = self._out_ver[idx, :longest].cpu().tolist()
-            else:
-                toks = lps = vers = [[] for _ in range(len(rows_np))]
-            out = []
-            for i, r in enumerate(rows_np.tolist()):
-                seq = self._rows[r]
-                g = int(gens[i])
-                tokens = toks[i][:g]
-                why = reason
-                if why is None:
-                    why = "stop" if tokens and tokens[-1] in seq.stop_set else "length"
-                lp = lps[i][:g] if seq.params.return_logprob else []
-                out.append((seq, GenerateOutput(tokens, lp, vers[i][:g], why, error)))
+                asked = any(s.params.return_logprob for s in seqs)
+                parts = (self._out_tok[idx, :longest], self._out_lp[idx, :longest] if asked else None,
+                         self._out_ver[idx, :longest])
+                if defer and self._defer_finish:
+                    fin.toks, fin.lps, fin.vers = (None if p is None else self._host_copy(p) for p in parts)
+                    fin.ready = self._copy_event()
+                else:
+                    fin.toks, fin.lps, fin.vers = (None if p is None else p.cpu() for p in parts)
             self._compact(rows_np)
-            return out
+        if fin.ready is None:
+            return fin.outputs()
+        self._in_flight.append(fin)
+        return []
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A pinned host tensor that ``t`` is being copied into (done when the next event is)."""
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda").copy_(t, non_blocking=True)
+
+    def _copy_event(self) -> Any:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _emit_finished(self, done: list, wait: bool) -> None:
+        """Hand out the finished rows whose copies are complete, in the order they finished;
+        with ``wait``, all of them (waiting for the device)."""
+        while self._in_flight:
+            fin = self._in_flight[0]
+            if not wait and not fin.ready.query():
+                return
+            fin.ready.synchronize()
+            self._in_flight.popleft()
+            done += fin.outputs()
 
     def _compact(self, finished_rows: np.ndarray) -> None:
         """Free ``finished_rows`` and move the last active rows into the holes, so that active
