@@ -119,7 +119,8 @@ class DecodeStep(RowSampling, Finishing):
         old, new = self._flag_pending, 1 - self._flag_pending
         self._flag_bufs[new][: stop.shape[0]].copy_(stop, non_blocking=True)
         if self._flag_events[new] is not None:
-            self._flag_events[new].record()
+            # on the engine device's stream: the worker thread's current device may be another one
+            self._flag_events[new].record(torch.cuda.current_stream(self.device))
         self._flag_pending = new
         return old
 

@@ -101,7 +101,7 @@ class Finishing(RowState):
 
     def _copy_event(self) -> Any:
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))  # the engine's device, whatever the thread's
         return event
 
     def _emit_finished(self, done: list, wait: bool) -> None:
