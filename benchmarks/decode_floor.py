@@ -67,11 +67,7 @@ def build_backend(args: argparse.Namespace, max_rows: int, max_len: int):
     from rlcli.backends.embedded import EmbeddedBackend
     from rlcli.overrides import apply_overrides
 
-    gs.SHAPE_NAME, gs.LENGTHS = args.shape, "full"
-    gs.SHAPE.clear()
-    gs.SHAPE.update(gs.SHAPES["tiny" if args.tiny else args.shape])
-    if args.tiny:
-        gs.DEVICE, gs.DTYPE = "cpu", torch.float32
+    gs.use_shape(args.shape, tiny=args.tiny)
     model_dir = gs.prepare_model(Path(tempfile.mkdtemp(prefix="decode-floor-")), args.model_cache)
     v = gs.SHAPE["vocab"]
     ctx = BackendContext(model_dir=str(model_dir), device=torch.device(gs.DEVICE), dtype=gs.DTYPE,

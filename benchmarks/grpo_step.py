@@ -496,16 +496,24 @@ def write_outputs(out: Path) -> None:
     grpo_report.write_outputs(out, RESULTS, DEVICE, SHAPE_NAME, LENGTHS)
 
 
+def use_shape(name: str, lengths: str = "full", tiny: bool = False) -> None:
+    """Make ``name`` the shape this process builds and runs, with the ``lengths`` regime; ``tiny``
+    builds the CPU smoke-test model instead and moves the work to the CPU at its small sizes (the
+    other scripts that reuse this module's model call this too)."""
+    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, SHAPE_NAME, LENGTHS
+    SHAPE_NAME, LENGTHS = name, lengths
+    SHAPE.clear()
+    SHAPE.update(SHAPES["tiny" if tiny else name])
+    if tiny:
+        DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
+    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+
+
 def configure(args: argparse.Namespace) -> None:
     """The work of this run (--shape, --lengths, --tiny) and the sections --all turns on."""
-    global DEVICE, DTYPE, PROMPTS, NEW, PROMPT_LEN, SHAPE_NAME, LENGTHS
-    SHAPE_NAME, LENGTHS = args.shape, args.lengths
-    SHAPE.clear()
-    SHAPE.update(SHAPES["tiny" if args.tiny else args.shape])
+    use_shape(args.shape, args.lengths, args.tiny)
     if args.tiny:
-        DEVICE, PROMPTS, NEW, PROMPT_LEN = "cpu", 8, 8, 8
         args.ceilings = False
-    DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     if args.all:
         args.ceilings = args.engine = args.rlcli = args.trl = args.trl_vllm = args.trl_vllm_tuned = True
 

@@ -58,9 +58,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    gs.SHAPE_NAME, gs.LENGTHS = args.shape, "full"
-    gs.SHAPE.clear()
-    gs.SHAPE.update(gs.SHAPES[args.shape])
+    gs.use_shape(args.shape)
     model_dir = gs.prepare_model(Path(tempfile.mkdtemp(prefix="vllm-sampling-")), args.model_cache)
     llm = LLM(model=str(model_dir), skip_tokenizer_init=True, max_num_seqs=gs.PROMPTS * gs.K,
               gpu_memory_utilization=0.3, max_model_len=gs.PROMPT_LEN + gs.NEW, seed=0)

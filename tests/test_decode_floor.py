@@ -37,3 +37,24 @@ def test_tapered_lengths_are_geometric_and_cut():
     assert min(drawn) >= 1 and max(drawn) == 1024  # cut at the longest
     mean = sum(drawn) / len(drawn)
     assert 246 < mean < 257  # the truncated geometric mean is 251.3
+
+
+def test_weight_bytes_count_a_shared_storage_once():
+    """A tied head and the fused [q; k; v] views each read one storage: bytes of storages, not of parameters."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import decode_floor
+
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied
+    fused = torch.zeros(12, 4)
+    q, k = torch.nn.Parameter(fused[:8]), torch.nn.Parameter(fused[8:])  # views of one matrix
+    hf = torch.nn.Module()
+    hf.emb, hf.head = emb, head
+    hf.register_parameter("q", q)
+    hf.register_parameter("k", k)
+    assert decode_floor.weight_bytes(SimpleNamespace(model=SimpleNamespace(hf=hf))) == (40 + 48) * 4

@@ -24,9 +24,9 @@ class FinishedRows:
     gens: np.ndarray
     reason: str | None
     error: str | None
-    toks: torch.Tensor | None
-    lps: torch.Tensor | None
-    vers: torch.Tensor | None
+    toks: torch.Tensor | None = None
+    lps: torch.Tensor | None = None
+    vers: torch.Tensor | None = None
     ready: Any = None
 
     def outputs(self) -> list[tuple[Sequence, GenerateOutput]]:
@@ -61,7 +61,7 @@ class Finishing(RowState):
     device: torch.device
     cache: KVCache
     _in_flight: deque[FinishedRows]
-    _defer_finish: bool  # finishes in the overlapped path copy asynchronously (CUDA)
+    _defer_finish: bool  # a finish asked to defer (the overlapped path) copies asynchronously: CUDA
 
     def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list, defer: bool = False) -> None:
         finished = stop | (self._h_gen[rows_np] >= self._h_max_new[rows_np])
@@ -75,17 +75,17 @@ class Finishing(RowState):
         ``defer`` (and ``_defer_finish``) the outputs come later, from :meth:`_emit_finished`."""
         with torch.profiler.record_function("rlcli/engine/finish"):  # a named range in profiler traces
             seqs = [self._rows[r] for r in rows_np.tolist()]
-            gens = self._h_gen[rows_np].copy()
+            gens = self._h_gen[rows_np]  # a copy (fancy indexing): compaction rewrites the rows
             longest = int(gens.max()) if len(gens) else 0
-            fin = FinishedRows(seqs, gens, reason, error, None, None, None)
+            fin = FinishedRows(seqs, gens, reason, error)
             if longest > 0:
                 idx = torch.as_tensor(rows_np, dtype=torch.int64).to(self.device, non_blocking=True)
                 # the logprobs cross to the host only for requests that asked (return_logprob)
                 asked = any(s.params.return_logprob for s in seqs)
                 parts = (self._out_tok[idx, :longest], self._out_lp[idx, :longest] if asked else None,
                          self._out_ver[idx, :longest])
-                if defer and self._defer_finish:
-                    fin.toks, fin.lps, fin.vers = (None if p is None else self._host_copy(p) for p in parts)
+                if defer and self._defer_finish:  # into pinned host memory (torch pins a CUDA -> CPU non_blocking copy)
+                    fin.toks, fin.lps, fin.vers = (None if p is None else p.to("cpu", non_blocking=True) for p in parts)
                     fin.ready = self._copy_event()
                 else:
                     fin.toks, fin.lps, fin.vers = (None if p is None else p.cpu() for p in parts)
@@ -94,10 +94,6 @@ class Finishing(RowState):
             return fin.outputs()
         self._in_flight.append(fin)
         return []
-
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        """A pinned host tensor that ``t`` is being copied into (done when the next event is)."""
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=self.device.type == "cuda").copy_(t, non_blocking=True)
 
     def _copy_event(self) -> Any:
         event = torch.cuda.Event()
