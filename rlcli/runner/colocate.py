@@ -21,6 +21,7 @@ from rlcli.dist import barrier, init_distributed
 from rlcli.produce.manager import RolloutManager
 from rlcli.models import resolve_device
 from rlcli.fsutil import write_jsonl
+from rlcli.runner import allocator
 from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.records import (
@@ -52,7 +53,9 @@ class ColocateRunner:
 
         self.recipe, self.cfg = recipe, recipe.trainer
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
-        rank, world = init_distributed(resolve_device(recipe.resources.device))
+        device = resolve_device(recipe.resources.device)
+        self._restore_allocator = allocator.apply(recipe.resources.expandable_segments, recipe.rollout.name, device)
+        rank, world = init_distributed(device)
         self.main, self.quiet = rank == 0, quiet or rank != 0
         ckpt = None
         if self.main:  # rank 0 decides between resuming and starting fresh (and cleans up)
@@ -280,6 +283,7 @@ class ColocateRunner:
             self.loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
         self.loop.close()
         thaw_heap()
+        self._restore_allocator()
 
 
 def run_training(recipe: Recipe, work_dir: str | Path | None, *, quiet: bool = False,

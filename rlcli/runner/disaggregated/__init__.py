@@ -51,6 +51,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from rlcli.config import Recipe
+from rlcli.models import resolve_device
+from rlcli.runner import allocator
 from rlcli.runner.setup import freeze_heap, thaw_heap
 from rlcli.runner.disaggregated.boot import _boot, _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _checkpoint_dir, _RolloutStub, _save_collective
@@ -70,19 +72,24 @@ def run_disaggregated(recipe: Recipe, work_dir: str | Path | None = None, *, qui
                       overwrite: bool = False) -> tuple[Path, dict[str, float]]:
     """One rank of a disaggregated run (every launched rank calls it); returns train rank 0's
     work dir and last metrics on every rank."""
-    boot = _boot(recipe, work_dir, quiet, overwrite)
-    side: TrainSide | RolloutSide
-    side = TrainSide(boot) if boot.placement.role(boot.rank) == "train" else RolloutSide(boot)
-    freeze_heap()
-    ok = False
+    restore_allocator = allocator.apply(recipe.resources.expandable_segments, recipe.rollout.name,
+                                        resolve_device(recipe.resources.device))
     try:
-        result = side.run()
-        ok = True
-    except BaseException as exc:
-        side.report_failure(exc)
-        raise
+        boot = _boot(recipe, work_dir, quiet, overwrite)
+        side: TrainSide | RolloutSide
+        side = TrainSide(boot) if boot.placement.role(boot.rank) == "train" else RolloutSide(boot)
+        freeze_heap()
+        ok = False
+        try:
+            result = side.run()
+            ok = True
+        except BaseException as exc:
+            side.report_failure(exc)
+            raise
+        finally:
+            side.close(graceful=ok)
+            thaw_heap()
     finally:
-        side.close(graceful=ok)
-        thaw_heap()
+        restore_allocator()
     path, final = broadcast(result, boot.placement.train0, None)
     return Path(path), final

@@ -1,0 +1,62 @@
+"""resources.expandable_segments: when a run turns the CUDA allocator's expandable segments on, and that it undoes it."""
+
+import pytest
+import torch
+
+from pydantic import ValidationError
+
+from rlcli.config.sections import ResourcesConfig
+from rlcli.runner import allocator
+
+
+@pytest.mark.parametrize("setting, rollout, environ, expected", [
+    (None, "embedded", {}, True),  # auto: the embedded engine, nothing in the environment
+    (None, "vllm", {}, None),  # an engine plugin's pool may refuse them: leave the allocator alone
+    (None, "embedded", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),  # the user's word wins
+    (None, "embedded", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}, None),
+    (True, "vllm", {}, True),  # the recipe's word wins over the auto rule
+    (False, "embedded", {}, False),
+])
+def test_the_auto_rule(setting, rollout, environ, expected):
+    assert allocator.wanted(setting, rollout, environ) is expected
+
+
+def _recording(monkeypatch):
+    calls = []
+    monkeypatch.setattr(allocator, "_set", calls.append)
+    return calls
+
+
+def test_a_cuda_run_sets_them_and_restores_the_previous_value(monkeypatch):
+    calls = _recording(monkeypatch)
+    restore = allocator.apply(None, "embedded", torch.device("cuda"), environ={})
+    assert calls == [True]
+    restore()
+    assert calls == [True, False]
+
+
+def test_an_explicit_false_turns_off_what_the_environment_turned_on(monkeypatch):
+    calls = _recording(monkeypatch)
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}
+    restore = allocator.apply(False, "embedded", torch.device("cuda"), environ=env)
+    restore()
+    assert calls == [False, True]
+
+
+@pytest.mark.parametrize("setting, device, environ", [
+    (None, "cpu", {}),  # nothing to set on the CPU
+    (True, "cpu", {}),
+    (True, "cuda", {"PYTORCH_ALLOC_CONF": "expandable_segments:True"}),  # already so
+    (None, "cuda", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}),
+])
+def test_nothing_changes_when_nothing_needs_to(monkeypatch, setting, device, environ):
+    calls = _recording(monkeypatch)
+    allocator.apply(setting, "embedded", torch.device(device), environ=environ)()
+    assert calls == []
+
+
+def test_the_recipe_key_is_a_bool_or_unset():
+    assert ResourcesConfig().expandable_segments is None
+    assert ResourcesConfig(expandable_segments=True).expandable_segments is True
+    with pytest.raises(ValidationError, match="expandable_segments"):
+        ResourcesConfig(expandable_segments="sometimes")
