@@ -18,8 +18,10 @@ finishing row's outputs are copied to the host). The scheduler is driven on this
 (``engine.step()``): one round captures the graphs of the shape, a second is timed, and the first
 step of each round (admission and prefill) is left out. Reported per point: milliseconds a
 decode step, and the weight bytes read a step against that time (GB/s), the floor a
-memory-bound step could reach. ``--profile DIR`` adds a torch.profiler kernel table of 20
-decode steps at the smallest rows and the longest context (``decode-floor-<shape>.txt``).
+memory-bound step could reach. ``--profile DIR`` adds a torch.profiler kernel table of 19
+decode steps at the smallest rows and the longest context (``profiles.txt``): the
+round's first step (admission and prefill) runs before the profiler starts, so the table's self
+CPU and self CUDA totals compare the host's and the GPU's time of decode steps alone.
 
 Output: one ``RESULT {json}`` line per point; ``--out DIR`` also gets ``decode-floor.json``.
 """
@@ -27,6 +29,7 @@ Output: one ``RESULT {json}`` line per point; ``--out DIR`` also gets ``decode-f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -53,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(rows finish along the way, as in the long tail)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an embedded rollout setting (dotted keys, YAML values), e.g. cuda_graphs=false")
-    ap.add_argument("--profile", type=Path, help="write a kernel table of 20 decode steps here")
+    ap.add_argument("--profile", type=Path, help="write a kernel table of 19 decode steps here (no prefill)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--tiny", action="store_true", help="a tiny model on the CPU: checks the script")
     return ap.parse_args(argv)
@@ -89,8 +92,10 @@ def lengths_of(rows: int, steps: int, taper: float | None, seed: int) -> list[in
 
 
 def one_round(engine, rows: int, context: int, steps: int, vocab: int, seed: int,
-              taper: float | None = None) -> tuple[float, int]:
-    """Seconds and number of the round's decode steps after its first (admission + prefill)."""
+              taper: float | None = None, around_decode=contextlib.nullcontext) -> tuple[float, int]:
+    """Seconds and number of the round's decode steps after its first (admission + prefill);
+    ``around_decode()`` is entered for those steps alone (the profiler, so that its table holds no
+    prefill)."""
     from rlcli.backends.base import GenerateRequest
     from rlcli.types import SampleParams
 
@@ -101,12 +106,14 @@ def one_round(engine, rows: int, context: int, steps: int, vocab: int, seed: int
         engine.submit(engine.make_sequence(GenerateRequest(prompt_ids=prompt, params=params, seed=i), seed))
     engine.step()  # admission, prefill and the first token
     sync()
-    t, n = time.perf_counter(), 0
-    while engine.has_work():
-        engine.step()
-        n += 1
-    sync()
-    return time.perf_counter() - t, n
+    with around_decode():
+        t, n = time.perf_counter(), 0
+        while engine.has_work():
+            engine.step()
+            n += 1
+        sync()
+        secs = time.perf_counter() - t
+    return secs, n
 
 
 def sync() -> None:
@@ -155,8 +162,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     if args.profile is not None:
         gs.PROFILE_DIR, gs.PROFILE_WHAT = args.profile, "all"
         args.profile.mkdir(parents=True, exist_ok=True)
-        with gs.profiled(f"decode-floor-{args.shape}"):
-            one_round(engine, min(rows_grid), max(ctx_grid), min(args.steps, 20), vocab, seed=3)
+        one_round(engine, min(rows_grid), max(ctx_grid), min(args.steps, 20), vocab, seed=3,
+                  around_decode=lambda: gs.profiled(f"decode-floor-{args.shape}"))
     backend.shutdown()
     return out
 

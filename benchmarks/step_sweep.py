@@ -136,12 +136,12 @@ def estimate_s(run: Run, cold: bool = True) -> float:
     """Rough seconds of a run: process start, the model build (``cold``), start-up, steps. Scaled from
     the 0.5b figures (rlcli 0.63 s rollout + 1.08 s train, TRL 8 s per step) by the parameter count;
     TRL + vLLM from its measured 9.3 s (0.5b) and 9.5 s (1.5b) a step and ~110 s of start-up, on
-    the long tail from its measured 17.4 s (0.5b) and 26.4 s (1.5b, both with gradient
+    the long tail from its measured 17.4 s (0.5b), 26.4 s (1.5b) and 41.8 s (3b, all with gradient
     checkpointing); the rlcli long tail's rollout ×2.5 sync (the batch waits for its longest
     response), ×1.2 async, TRL generate ×3; CPU offload +10 s a step (guesses)."""
     r = n_params(run.shape) / n_params("0.5b")
     tail = run.lengths == "longtail"
-    build = (10 + 12 * r / 2) if cold else 0.0  # random init + safetensors write
+    build = (10 + 2 * r) if cold else 0.0  # random init on the GPU + safetensors write (7b: ~40 s, tenth session)
     if run.args[0] == "--rlcli":
         roll = 0.63 * r ** 0.7 * ((1.2 if "async" in run.id else 2.5) if tail else 1.0)
         offload = 10.0 if any("cpu_offload=true" in kv for kv in run.extra) else 0.0
@@ -149,7 +149,7 @@ def estimate_s(run: Run, cold: bool = True) -> float:
     elif run.args[0] == "--trl":
         step, start, n = 8 * r ** 0.8 * (3 if tail else 1), 15 + 3 * r, run.steps + 1
     else:
-        step, start, n = 17.4 * r ** 0.37 if tail else 9.3 * r ** 0.3, 100 + 4 * r, run.steps + 1
+        step, start, n = 17.4 * r ** 0.48 if tail else 9.3 * r ** 0.3, 100 + 4 * r, run.steps + 1
     return round(15 + build + start + n * step)
 
 
