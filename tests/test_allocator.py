@@ -60,3 +60,37 @@ def test_the_recipe_key_is_a_bool_or_unset():
     assert ResourcesConfig(expandable_segments=True).expandable_segments is True
     with pytest.raises(ValidationError, match="expandable_segments"):
         ResourcesConfig(expandable_segments="sometimes")
+
+
+def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a_failed_start(repo, tmp_path,
+                                                                                                monkeypatch):
+    """ColocateRunner hands resources.expandable_segments and rollout.name to :func:`allocator.apply`
+    before anything touches the device, and calls what it returns once: at close, or when the
+    runner fails to start (here: a fresh run in a work dir that already holds one)."""
+    import yaml
+
+    from rlcli.config import validate_recipe
+    from rlcli.runner import colocate
+
+    calls = []
+
+    def fake_apply(setting, rollout_name, device, environ=None):
+        calls.append(("apply", setting, rollout_name, device.type))
+        return lambda: calls.append(("restore",))
+
+    monkeypatch.setattr(colocate.allocator, "apply", fake_apply)
+    raw = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
+    raw["trainer"].update(total_train_steps=1, enable_evaluate=False, checkpoint_interval=-1, auto_resume=False,
+                          train_batch_size=4, work_dir=str(tmp_path / "w"))
+    raw["resources"] = {**raw.get("resources", {}), "device": "cpu", "expandable_segments": False}
+    rec = validate_recipe(raw, base_dir=repo / "recipes")
+    runner = colocate.ColocateRunner(rec, quiet=True)
+    try:
+        runner.fit()
+    finally:
+        runner.close()
+    assert calls == [("apply", False, "embedded", "cpu"), ("restore",)]
+    calls.clear()
+    with pytest.raises(Exception, match="already holds a run"):
+        colocate.ColocateRunner(rec, quiet=True)
+    assert calls == [("apply", False, "embedded", "cpu"), ("restore",)]

@@ -49,12 +49,19 @@ class ColocateRunner:
 
     def __init__(self, recipe: Recipe, work_dir: str | Path | None = None, *, quiet: bool = False,
                  overwrite: bool = False):
-        from rlcli.train.checkpoint import latest_checkpoint
-
         self.recipe, self.cfg = recipe, recipe.trainer
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
         device = resolve_device(recipe.resources.device)
         self._restore_allocator = allocator.apply(recipe.resources.expandable_segments, recipe.rollout.name, device)
+        try:
+            self._build(recipe, device, quiet, overwrite)
+        except BaseException:  # a run that never starts leaves the process's allocator as it found it
+            self._restore_allocator()
+            raise
+
+    def _build(self, recipe: Recipe, device: torch.device, quiet: bool, overwrite: bool) -> None:
+        from rlcli.train.checkpoint import latest_checkpoint
+
         rank, world = init_distributed(device)
         self.main, self.quiet = rank == 0, quiet or rank != 0
         ckpt = None
