@@ -42,6 +42,18 @@ def _load(recipe: str, overrides: tuple[str, ...]):
         _fail(f"plugin error: {exc}", EXIT_RECIPE_ERROR)
 
 
+def _out_of_memory_hint() -> str:
+    """What a run that ran out of GPU memory can change: the recipe keys that free memory, in the order
+    worth trying (tests/test_cli.py checks that each names a recipe key)."""
+    return ("the GPU ran out of memory. What frees memory (docs/recipes.md#memory): "
+            "resources.expandable_segments=true when the error reports much memory reserved but unallocated; "
+            "a smaller train_worker.pack_max_length; train_worker.optimizer.moment_dtype=bfloat16; "
+            "train_worker.fsdp.activation_memory_budget below 1 (with torch_compile); model.lora; "
+            "train_worker.kl.ref_offload=true; train_worker.fsdp.cpu_offload=true; for an engine plugin, its "
+            "KV-cache option. Checkpoints already written are whole: with trainer.auto_resume the run continues "
+            "from the last one.")
+
+
 def _fail(message: str, code: int) -> NoReturn:
     """Print ``message`` (red, stderr) and exit with ``code``; with ``--debug`` (``RLCLI_DEBUG=1``) the
     traceback of the exception being handled comes first."""
@@ -134,9 +146,15 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
                  if m.split(": ", 1)[0] in {e.__name__ for e in path_errors}]
         if named and debug_enabled():
             click.echo(str(exc), err=True)
-        _fail("\n".join(named) if named else f"training failed: {exc}", EXIT_RECIPE_ERROR if named else 1)
+        oom = any(m.startswith("OutOfMemoryError") for m in exc.errors.values())
+        _fail("\n".join(named) if named else f"training failed: {exc}" + (f"\n{_out_of_memory_hint()}" if oom else ""),
+              EXIT_RECIPE_ERROR if named else 1)
     except ValueError as exc:
         _fail(f"training failed: {exc}", 1)
+    except Exception as exc:
+        if type(exc).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch.cuda's too)
+            raise
+        _fail(f"training failed: {str(exc).splitlines()[0] if str(exc) else exc!r}\n{_out_of_memory_hint()}", 1)
     from rlcli.runner.records import final_summary
 
     click.echo(f"done: {path} | {final_summary(final)}".rstrip(" |"))  # with --quiet too: the result

@@ -168,3 +168,45 @@ def test_console_lines_say_what_was_measured():
     ev = {"eval/accuracy": 0.75, "eval/engine/busy_s": 0.1, "eval/judger/calls": 3.0, "eval/judger/crashes": 1.0,
           "eval/judger/timeouts": 0.0, "eval/failed": 0.0}
     assert eval_lines(ev) == ["eval/accuracy: 0.7500", "eval/failed: 0.0000", "eval/judger/crashes: 1.0000"]
+
+
+def test_out_of_memory_names_the_keys_that_free_memory(runner, repo, tmp_path, monkeypatch):
+    """A run that stops on CUDA out of memory (one rank, or any rank of several) exits 1 with torch's
+    first line and the recipe keys that free memory; each key the hint names is a recipe key."""
+    import re
+
+    import torch
+
+    import rlcli.runner
+    from rlcli.cli import _out_of_memory_hint
+    from rlcli.config import Recipe
+    from rlcli.launch import RankFailed
+
+    hint = _out_of_memory_hint()
+    keys = set(re.findall(r"\b(?:resources|train_worker|model|rollout|trainer)(?:\.[a-z_]+)+", hint))
+    assert {"resources.expandable_segments", "train_worker.fsdp.cpu_offload", "trainer.auto_resume"} <= keys
+    for key in keys:
+        model = Recipe
+        for part in key.split("."):
+            assert part in model.model_fields, f"{key}: {part} is not a recipe key"
+            ann = model.model_fields[part].annotation
+            model = next((a for a in getattr(ann, "__args__", (ann,)) if hasattr(a, "model_fields")), None)
+            if model is None:
+                break
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 890.00 MiB.\nmore detail")
+
+    args = ["train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(tmp_path / "w"), "--quiet"]
+    monkeypatch.setattr(rlcli.runner, "run", oom)
+    result = runner.invoke(cli, args)
+    assert result.exit_code == 1
+    assert "Tried to allocate 890.00 MiB." in result.output and "more detail" not in result.output
+    assert "train_worker.fsdp.cpu_offload=true" in result.output
+
+    def rank_oom(*args, **kwargs):
+        raise RankFailed("rank 1 failed", {1: "OutOfMemoryError: CUDA out of memory."})
+
+    monkeypatch.setattr("rlcli.launch.launch", rank_oom)
+    result = runner.invoke(cli, [*args, "--nproc-per-node", "2"])
+    assert result.exit_code == 1 and "resources.expandable_segments" in result.output
