@@ -94,3 +94,17 @@ def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a
     with pytest.raises(Exception, match="already holds a run"):
         colocate.ColocateRunner(rec, quiet=True)
     assert calls == [("apply", False, "embedded", "cpu"), ("restore",)]
+
+
+def test_an_allocator_that_refuses_the_setting_leaves_the_run_without_it(monkeypatch, caplog):
+    def refuse(enabled):
+        raise RuntimeError("expandable_segments not supported on this platform")
+
+    import logging
+
+    monkeypatch.setattr(allocator, "_set", refuse)
+    monkeypatch.setattr(logging.getLogger("rlcli"), "propagate", True)  # a runner's setup_logging turns it off
+    with caplog.at_level("WARNING", logger="rlcli"):
+        restore = allocator.apply(True, "embedded", torch.device("cuda"), environ={})
+    restore()  # nothing to undo, nothing raised
+    assert "could not turn expandable segments on" in caplog.text

@@ -67,6 +67,11 @@ def apply(setting: bool | None, rollout_name: str, device: torch.device,
     before = _enabled_in(_env_conf(environ))
     if device.type != "cuda" or want is None or want == before:
         return lambda: None
-    _set(want)
+    try:
+        _set(want)
+    except RuntimeError as exc:  # a build or platform whose allocator refuses the setting: run without it
+        log.warning("CUDA allocator: could not turn expandable segments %s (%s); resources.expandable_segments "
+                    "has no effect in this run", "on" if want else "off", exc)
+        return lambda: None
     log.info("CUDA allocator: expandable segments %s (resources.expandable_segments)", "on" if want else "off")
     return lambda: _set(before)
