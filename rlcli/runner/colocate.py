@@ -21,7 +21,7 @@ from rlcli.dist import barrier, init_distributed
 from rlcli.produce.manager import RolloutManager
 from rlcli.models import resolve_device
 from rlcli.fsutil import write_jsonl
-from rlcli.runner import allocator
+from rlcli.runner import expandable_segments
 from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.ranks import gather_to_main, merge_metrics
 from rlcli.runner.records import (
@@ -52,7 +52,8 @@ class ColocateRunner:
         self.recipe, self.cfg = recipe, recipe.trainer
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
         device = resolve_device(recipe.resources.device)
-        self._restore_allocator = allocator.apply(recipe.resources.expandable_segments, recipe.rollout.name, device)
+        self._restore_allocator = expandable_segments.apply(recipe.resources.expandable_segments,
+                                                            recipe.rollout.name, device)
         try:
             self._build(recipe, device, quiet, overwrite)
         except BaseException:  # a run that never starts leaves the process's allocator as it found it

@@ -52,7 +52,7 @@ from pathlib import Path
 
 from rlcli.config import Recipe
 from rlcli.models import resolve_device
-from rlcli.runner import allocator
+from rlcli.runner import expandable_segments
 from rlcli.runner.setup import freeze_heap, thaw_heap
 from rlcli.runner.disaggregated.boot import _boot, _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _checkpoint_dir, _RolloutStub, _save_collective
@@ -72,8 +72,8 @@ def run_disaggregated(recipe: Recipe, work_dir: str | Path | None = None, *, qui
                       overwrite: bool = False) -> tuple[Path, dict[str, float]]:
     """One rank of a disaggregated run (every launched rank calls it); returns train rank 0's
     work dir and last metrics on every rank."""
-    restore_allocator = allocator.apply(recipe.resources.expandable_segments, recipe.rollout.name,
-                                        resolve_device(recipe.resources.device))
+    restore_allocator = expandable_segments.apply(recipe.resources.expandable_segments, recipe.rollout.name,
+                                                  resolve_device(recipe.resources.device))
     try:
         boot = _boot(recipe, work_dir, quiet, overwrite)
         side: TrainSide | RolloutSide

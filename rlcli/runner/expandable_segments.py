@@ -1,4 +1,4 @@
-"""The CUDA caching allocator's expandable segments, for the length of a run (``resources.expandable_segments``).
+"""``resources.expandable_segments``: the CUDA caching allocator's expandable segments, for the length of a run.
 
 A long-tailed rollout makes training packs of every length from step to step, and the caching
 allocator keeps the blocks it carved for each: at 7B on one H200 (tenth device session) a step

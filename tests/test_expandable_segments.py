@@ -6,7 +6,7 @@ import torch
 from pydantic import ValidationError
 
 from rlcli.config.sections import ResourcesConfig
-from rlcli.runner import allocator
+from rlcli.runner import expandable_segments as segments
 
 
 @pytest.mark.parametrize("setting, rollout, environ, expected", [
@@ -18,18 +18,18 @@ from rlcli.runner import allocator
     (False, "embedded", {}, False),
 ])
 def test_the_auto_rule(setting, rollout, environ, expected):
-    assert allocator.wanted(setting, rollout, environ) is expected
+    assert segments.wanted(setting, rollout, environ) is expected
 
 
 def _recording(monkeypatch):
     calls = []
-    monkeypatch.setattr(allocator, "_set", calls.append)
+    monkeypatch.setattr(segments, "_set", calls.append)
     return calls
 
 
 def test_a_cuda_run_sets_them_and_restores_the_previous_value(monkeypatch):
     calls = _recording(monkeypatch)
-    restore = allocator.apply(None, "embedded", torch.device("cuda"), environ={})
+    restore = segments.apply(None, "embedded", torch.device("cuda"), environ={})
     assert calls == [True]
     restore()
     assert calls == [True, False]
@@ -38,7 +38,7 @@ def test_a_cuda_run_sets_them_and_restores_the_previous_value(monkeypatch):
 def test_an_explicit_false_turns_off_what_the_environment_turned_on(monkeypatch):
     calls = _recording(monkeypatch)
     env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}
-    restore = allocator.apply(False, "embedded", torch.device("cuda"), environ=env)
+    restore = segments.apply(False, "embedded", torch.device("cuda"), environ=env)
     restore()
     assert calls == [False, True]
 
@@ -51,7 +51,7 @@ def test_an_explicit_false_turns_off_what_the_environment_turned_on(monkeypatch)
 ])
 def test_nothing_changes_when_nothing_needs_to(monkeypatch, setting, device, environ):
     calls = _recording(monkeypatch)
-    allocator.apply(setting, "embedded", torch.device(device), environ=environ)()
+    segments.apply(setting, "embedded", torch.device(device), environ=environ)()
     assert calls == []
 
 
@@ -64,7 +64,7 @@ def test_the_recipe_key_is_a_bool_or_unset():
 
 def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a_failed_start(repo, tmp_path,
                                                                                                 monkeypatch):
-    """ColocateRunner hands resources.expandable_segments and rollout.name to :func:`allocator.apply`
+    """ColocateRunner hands resources.expandable_segments and rollout.name to :func:`expandable_segments.apply`
     before anything touches the device, and calls what it returns once: at close, or when the
     runner fails to start (here: a fresh run in a work dir that already holds one)."""
     import yaml
@@ -78,7 +78,7 @@ def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a
         calls.append(("apply", setting, rollout_name, device.type))
         return lambda: calls.append(("restore",))
 
-    monkeypatch.setattr(colocate.allocator, "apply", fake_apply)
+    monkeypatch.setattr(colocate.expandable_segments, "apply", fake_apply)
     raw = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
     raw["trainer"].update(total_train_steps=1, enable_evaluate=False, checkpoint_interval=-1, auto_resume=False,
                           train_batch_size=4, work_dir=str(tmp_path / "w"))
@@ -102,9 +102,9 @@ def test_an_allocator_that_refuses_the_setting_leaves_the_run_without_it(monkeyp
 
     import logging
 
-    monkeypatch.setattr(allocator, "_set", refuse)
+    monkeypatch.setattr(segments, "_set", refuse)
     monkeypatch.setattr(logging.getLogger("rlcli"), "propagate", True)  # a runner's setup_logging turns it off
     with caplog.at_level("WARNING", logger="rlcli"):
-        restore = allocator.apply(True, "embedded", torch.device("cuda"), environ={})
+        restore = segments.apply(True, "embedded", torch.device("cuda"), environ={})
     restore()  # nothing to undo, nothing raised
     assert "could not turn expandable segments on" in caplog.text
