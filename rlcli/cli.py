@@ -146,7 +146,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
                  if m.split(": ", 1)[0] in {e.__name__ for e in path_errors}]
         if named and debug_enabled():
             click.echo(str(exc), err=True)
-        oom = any(m.startswith("OutOfMemoryError") for m in exc.errors.values())
+        oom = any(m.split(": ", 1)[0].endswith("OutOfMemoryError") for m in exc.errors.values())
         _fail("\n".join(named) if named else f"training failed: {exc}" + (f"\n{_out_of_memory_hint()}" if oom else ""),
               EXIT_RECIPE_ERROR if named else 1)
     except ValueError as exc:
