@@ -37,6 +37,10 @@ run
     Then three GRPO steps (``runner.fit()``: rollout, sleep, train, weight sync, wake up), the
     recipe of ``grpo_step.py`` (reward = response length mod 7, lr 1e-6).
 
+    After start-up the settings the engine chose that size the work (concurrency, CUDA-graph batch
+    sizes, KV cache, chunked prefill; ``backends_run.ENGINE_SETTINGS``) are recorded
+    (``engine_settings``) and stated under the markdown row.
+
     The engine's rollout config is ``max_batch_size`` 512, ``max_model_len`` 512 and a 0.35 memory
     share; ``--run-set KEY=VALUE`` (repeatable) tunes it for the workload (concurrency, CUDA-graph
     batch sizes, chunked prefill: ``engine_kwargs.*``), and the bare path drives the same engine.

@@ -44,6 +44,9 @@ def markdown(engine: str, env: dict) -> str:
         f"| {env['engine_version']} | {env['date']} | {env['device']} | {conf} | {grpo_cell} | {tput} |",
         "",
     ]
+    settings = (by.get("engine_settings") or [{}])[-1].get("settings")
+    if settings:
+        lines += ["Engine settings after start-up: " + ", ".join(f"`{k}` {v}" for k, v in settings.items()) + ".", ""]
     if "batched_tok_s" in thr:
         lines += [f"Via rlcli with `batch_requests: true`: {thr['batched_tok_s']:,} tok/s, "
                   f"{thr['batched_ratio']:.2f} of bare (per-round median {thr['batched_ratio_paired_median']:.2f}).",

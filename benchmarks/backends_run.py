@@ -84,7 +84,45 @@ def build_runner(engine: str, root: Path):
     runner = ColocateRunner(rec, quiet=True, overwrite=True)
     startup = time.perf_counter() - t0
     result(what="startup", engine=engine, seconds=round(startup, 1))
+    result(what="engine_settings", engine=engine, settings=engine_settings(engine, runner.backend))
     return runner
+
+
+# Where each engine keeps the settings that size its work (concurrency, CUDA graphs, KV cache, chunked
+# prefill), as ``(backend attribute, engine attribute, [dotted paths below it])``: read after start-up so
+# that the table states what the engine chose, defaults included (vLLM 0.26 ``LLMEngine.vllm_config``,
+# SGLang 0.5.17 ``Engine.server_args``, LMDeploy 0.18 ``Engine.engine_config``).
+ENGINE_SETTINGS = {
+    "vllm": ("_engine", "vllm_config", [
+        "scheduler_config.max_num_seqs", "scheduler_config.max_num_batched_tokens",
+        "scheduler_config.enable_chunked_prefill", "cache_config.block_size", "cache_config.num_gpu_blocks",
+        "cache_config.gpu_memory_utilization", "compilation_config.cudagraph_capture_sizes"]),
+    "sglang": ("_sgl", "server_args", [
+        "max_running_requests", "cuda_graph_max_bs_decode", "disable_cuda_graph", "max_total_tokens",
+        "mem_fraction_static", "chunked_prefill_size", "page_size"]),
+    "lmdeploy": ("_lmd", "engine_config", [
+        "max_batch_size", "num_gpu_blocks", "block_size", "cache_max_entry_count", "eager_mode",
+        "max_prefill_token_num"]),
+}
+
+
+def engine_settings(engine: str, backend) -> dict[str, Any]:
+    """The settings of ``ENGINE_SETTINGS`` the engine behind ``backend`` has (a list is given as its
+    length and largest value); those it lacks are left out, and nothing here raises."""
+    if engine not in ENGINE_SETTINGS:
+        return {}
+    outer, inner, paths = ENGINE_SETTINGS[engine]
+    root = getattr(getattr(backend, outer, None), inner, None)
+    found: dict[str, Any] = {}
+    for path in paths:
+        value = root
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if isinstance(value, (list, tuple)):
+            value = {"count": len(value), "max": max(value)} if value else []
+        if value is not None:
+            found[path] = value if isinstance(value, (bool, int, float, str, dict, list)) else str(value)
+    return found
 
 
 def report_throughput(engine: str, backend, prompts: list[list[int]]) -> None:

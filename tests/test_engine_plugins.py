@@ -558,3 +558,43 @@ def test_benchmark_run_set_tunes_the_run_sections_engine(bench, monkeypatch):
     monkeypatch.setattr(bench.common, "RUN_SET", [])
     assert backends_run.run_rollout_config("embedded", 8) == {"name": "embedded", "max_model_len": 512,
                                                               "max_batch_size": 8}
+
+
+def test_benchmark_states_the_engine_settings_it_ran_with(bench, tmp_path, monkeypatch):
+    """The run section records what the engine chose after start-up (concurrency, CUDA-graph sizes,
+    KV cache, chunked prefill), a list as its length and largest value, missing settings left out,
+    and the markdown states them."""
+    import types
+
+    import backends_run
+
+    ns = types.SimpleNamespace
+    vllm = ns(_engine=ns(vllm_config=ns(scheduler_config=ns(max_num_seqs=512, max_num_batched_tokens=16384),
+                                        cache_config=ns(block_size=16, num_gpu_blocks=11265),
+                                        compilation_config=ns(cudagraph_capture_sizes=[1, 2, 4, 8, 512]))))
+    assert backends_run.engine_settings("vllm", vllm) == {
+        "scheduler_config.max_num_seqs": 512, "scheduler_config.max_num_batched_tokens": 16384,
+        "cache_config.block_size": 16, "cache_config.num_gpu_blocks": 11265,
+        "compilation_config.cudagraph_capture_sizes": {"count": 5, "max": 512}}
+    sglang = ns(_sgl=ns(server_args=ns(max_running_requests=512, cuda_graph_max_bs_decode=512,
+                                       disable_cuda_graph=False)))
+    assert backends_run.engine_settings("sglang", sglang) == {
+        "max_running_requests": 512, "cuda_graph_max_bs_decode": 512, "disable_cuda_graph": False}
+    assert backends_run.engine_settings("sglang", ns()) == {}  # not started: nothing, no error
+    assert backends_run.engine_settings("embedded", vllm) == {}
+    if _installed("lmdeploy"):  # the real plugin over its stand-in engine
+        from rlcli.models import tiny_model_dir
+
+        monkeypatch.syspath_prepend(str(REPO / "plugins" / PLUGINS["lmdeploy"] / "tests"))
+        fake = importlib.import_module("fake_lmdeploy")
+        be = fake.FakeLMDeployBackend(fake.FakeLMDeployBackend.Config(), fake.context(tiny_model_dir(tmp_path / "m")))
+        try:
+            got = backends_run.engine_settings("lmdeploy", be)
+        finally:
+            be.shutdown()
+        assert got.get("block_size") == 64 and got.get("max_batch_size") is not None, got
+    monkeypatch.setattr(bench.common, "RESULTS", [
+        {"what": "engine_settings", "engine": "sglang", "settings": {"max_running_requests": 512}}])
+    env = {"date": "2026-12-04", "device": "NVIDIA H200", "torch": "2.11.0", "commit": "abc",
+           "engine_version": "sglang 0.5.17"}
+    assert "Engine settings after start-up: `max_running_requests` 512." in bench.markdown("sglang", env)
