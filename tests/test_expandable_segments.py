@@ -1,5 +1,7 @@
 """resources.expandable_segments: when a run turns the CUDA allocator's expandable segments on, and that it undoes it."""
 
+import os
+
 import pytest
 import torch
 
@@ -108,3 +110,34 @@ def test_an_allocator_that_refuses_the_setting_leaves_the_run_without_it(monkeyp
         restore = segments.apply(True, "embedded", torch.device("cuda"), environ={})
     restore()  # nothing to undo, nothing raised
     assert "could not turn expandable segments on" in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_setting_lets_a_freed_range_serve_a_larger_request():
+    """What the setting is for, on the device: a freed 1 GiB range grows to serve a 1.5 GiB request
+    (0.5 GiB more reserved), where fixed blocks reserve a new 1.5 GiB segment beside the cached one."""
+
+    def reserved_growth() -> int:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_reserved()
+        a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+        del a
+        b = torch.empty(3 << 29, dtype=torch.uint8, device="cuda")
+        grown = torch.cuda.memory_reserved() - base
+        del b
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return grown
+
+    original = segments._enabled_in(segments._env_conf(os.environ))
+    try:
+        segments._set(True)  # what apply() calls: the setting at run time, not from the environment
+        with_segments = reserved_growth()
+        segments._set(False)
+        without = reserved_growth()
+    finally:
+        segments._set(original)
+    gib = 1 << 30
+    assert with_segments < 1.75 * gib and without >= 2.5 * gib, (with_segments / gib, without / gib)
