@@ -141,3 +141,21 @@ def test_on_a_gpu_the_setting_lets_a_freed_range_serve_a_larger_request():
         segments._set(original)
     gib = 1 << 30
     assert with_segments < 1.75 * gib and without >= 2.5 * gib, (with_segments / gib, without / gib)
+
+
+def test_the_runner_reports_what_the_allocator_reserved_beside_what_it_held(monkeypatch):
+    """memory/*_reserved_peak_gib: the caching allocator's reserved peak next to the allocated one, so
+    fragmentation (reserved far above allocated) shows in metrics.jsonl; both peaks are reset per phase."""
+    import types
+
+    from rlcli.runner.colocate import ColocateRunner
+
+    resets = []
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda dev: 106.5 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda dev: 138.25 * 2**30)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
+    stub = types.SimpleNamespace(env=types.SimpleNamespace(device=torch.device("cuda", 0)))
+    assert ColocateRunner.peak_memory_gib(stub) == (106.5, 138.25)
+    assert resets == [torch.device("cuda", 0)]
+    stub.env.device = torch.device("cpu")
+    assert ColocateRunner.peak_memory_gib(stub) is None

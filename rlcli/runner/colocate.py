@@ -102,14 +102,16 @@ class ColocateRunner:
         self.sync_weights(version=self.step)  # the backend serves exactly the trainer's weights
         freeze_heap()
 
-    def peak_memory_gib(self) -> float | None:
-        """Peak device memory allocated by this process since the last call (GiB); None on CPU."""
+    def peak_memory_gib(self) -> tuple[float, float] | None:
+        """Peak device memory allocated, and reserved by torch's caching allocator, by this process since
+        the last call (GiB); None on CPU. Reserved beyond allocated is what the allocator holds unused
+        (cached or fragmented: resources.expandable_segments)."""
         dev = self.env.device
         if dev.type != "cuda":
             return None
-        peak = torch.cuda.max_memory_allocated(dev) / 2**30
+        peaks = torch.cuda.max_memory_allocated(dev) / 2**30, torch.cuda.max_memory_reserved(dev) / 2**30
         torch.cuda.reset_peak_memory_stats(dev)
-        return round(peak, 3)
+        return round(peaks[0], 3), round(peaks[1], 3)
 
     # ----------------------------------------------------------------------------------- loop
     def fit(self) -> dict[str, float]:
@@ -135,8 +137,9 @@ class ColocateRunner:
                     seqs, adv = sequences_from_groups(batch.groups, self.estimator)
                 metrics = {**batch.metrics, **self.worker.train_step(seqs), "advantage/mean": mean(adv)}
             if rollout_peak is not None:
-                metrics["memory/rollout_peak_gib"] = rollout_peak
-                metrics["memory/train_peak_gib"] = self.peak_memory_gib()
+                train_peak = self.peak_memory_gib() or (0.0, 0.0)
+                metrics["memory/rollout_peak_gib"], metrics["memory/rollout_reserved_peak_gib"] = rollout_peak
+                metrics["memory/train_peak_gib"], metrics["memory/train_reserved_peak_gib"] = train_peak
             self.step = step
             if self.schedule.sync_due(step):
                 with self.timer("sync"):
