@@ -270,7 +270,6 @@ class _LateEvent:
 
 def _defer_finishes(engine, lag):
     engine.overlap = True
-    engine._defer_finish = True
     engine._copy_event = lambda: _LateEvent(lag)
 
 

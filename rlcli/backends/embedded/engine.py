@@ -93,7 +93,6 @@ class EmbeddedEngine(Admission, DecodeStep):
         self._captures_read = 0
         self._done: list[tuple[Sequence, GenerateOutput]] = []
         self._in_flight: deque[FinishedRows] = deque()  # finished rows whose outputs are being copied
-        self._defer_finish = self.device.type == "cuda"  # only the overlapped path asks to defer
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size,
                                                 prefix=(self._prefix_rows, self._prefix_lens))

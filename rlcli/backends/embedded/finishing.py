@@ -61,7 +61,6 @@ class Finishing(RowState):
     device: torch.device
     cache: KVCache
     _in_flight: deque[FinishedRows]
-    _defer_finish: bool  # a finish asked to defer (the overlapped path) copies asynchronously: CUDA
 
     def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list, defer: bool = False) -> None:
         finished = stop | (self._h_gen[rows_np] >= self._h_max_new[rows_np])
@@ -72,7 +71,7 @@ class Finishing(RowState):
         self, rows_np: np.ndarray, reason: str | None = None, error: str | None = None, defer: bool = False
     ) -> list[tuple[Sequence, GenerateOutput]]:
         """Collect the outputs of ``rows_np`` (sorted row indices) and free their rows. With
-        ``defer`` (and ``_defer_finish``) the outputs come later, from :meth:`_emit_finished`."""
+        ``defer`` on CUDA the outputs come later, from :meth:`_emit_finished`."""
         with torch.profiler.record_function("rlcli/engine/finish"):  # a named range in profiler traces
             seqs = [self._rows[r] for r in rows_np.tolist()]
             gens = self._h_gen[rows_np]  # a copy (fancy indexing): compaction rewrites the rows
@@ -84,11 +83,10 @@ class Finishing(RowState):
                 asked = any(s.params.return_logprob for s in seqs)
                 parts = (self._out_tok[idx, :longest], self._out_lp[idx, :longest] if asked else None,
                          self._out_ver[idx, :longest])
-                if defer and self._defer_finish:  # into pinned host memory (torch pins a CUDA -> CPU non_blocking copy)
-                    fin.toks, fin.lps, fin.vers = (None if p is None else p.to("cpu", non_blocking=True) for p in parts)
+                # deferred: into pinned host memory (torch pins a CUDA -> CPU non_blocking copy)
+                fin.toks, fin.lps, fin.vers = (None if p is None else p.to("cpu", non_blocking=defer) for p in parts)
+                if defer:
                     fin.ready = self._copy_event()
-                else:
-                    fin.toks, fin.lps, fin.vers = (None if p is None else p.cpu() for p in parts)
             self._compact(rows_np)
         if fin.ready is None:
             return fin.outputs()
@@ -96,6 +94,9 @@ class Finishing(RowState):
         return []
 
     def _copy_event(self) -> Any:
+        """The event after the copies just queued; None on the CPU, where they are done already."""
+        if self.device.type != "cuda":
+            return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))  # the engine's device, whatever the thread's
         return event
