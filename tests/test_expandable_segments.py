@@ -7,20 +7,47 @@ import torch
 
 from pydantic import ValidationError
 
+from rlcli.backends.base import InferenceBackend
+from rlcli.backends.embedded import EmbeddedBackend
 from rlcli.config.sections import ResourcesConfig
 from rlcli.runner import expandable_segments as segments
+
+
+def _plugin_backend(name):
+    """The installed engine plugin's backend class, as the recipe resolves it (skip if not installed)."""
+    from rlcli.plugins import get_registry
+
+    registry = get_registry()
+    if name not in registry.names("inference_backend"):
+        pytest.skip(f"rlcli-{name} is not installed")
+    return registry.get("inference_backend", name)
 
 
 @pytest.mark.parametrize("setting, rollout, environ, expected", [
     (None, "embedded", {}, True),  # auto: the embedded engine, nothing in the environment
     (None, "vllm", {}, None),  # an engine plugin's pool may refuse them: leave the allocator alone
+    (None, "sglang", {}, None),
+    (None, "lmdeploy", {}, None),
     (None, "embedded", {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, None),  # the user's word wins
     (None, "embedded", {"PYTORCH_ALLOC_CONF": "max_split_size_mb:128"}, None),
     (True, "vllm", {}, True),  # the recipe's word wins over the auto rule
     (False, "embedded", {}, False),
 ])
 def test_the_auto_rule(setting, rollout, environ, expected):
-    assert segments.wanted(setting, rollout, environ) is expected
+    backend = EmbeddedBackend if rollout == "embedded" else _plugin_backend(rollout)
+    assert segments.wanted(setting, backend, environ) is expected
+
+
+def test_the_rule_follows_the_backend_classs_flag_not_its_name():
+    """A backend allows expandable segments by its class flag (off on the base class), so a
+    third-party engine that sets it gets them by default as the embedded one does."""
+    assert InferenceBackend.allows_expandable_segments is False and EmbeddedBackend.allows_expandable_segments
+
+    class ThirdParty(InferenceBackend):
+        allows_expandable_segments = True
+
+    assert segments.wanted(None, ThirdParty, {}) is True
+    assert segments.wanted(None, InferenceBackend, {}) is None
 
 
 def _recording(monkeypatch):
@@ -31,7 +58,7 @@ def _recording(monkeypatch):
 
 def test_a_cuda_run_sets_them_and_restores_the_previous_value(monkeypatch):
     calls = _recording(monkeypatch)
-    restore = segments.apply(None, "embedded", torch.device("cuda"), environ={})
+    restore = segments.apply(None, EmbeddedBackend, torch.device("cuda"), environ={})
     assert calls == [True]
     restore()
     assert calls == [True, False]
@@ -40,7 +67,7 @@ def test_a_cuda_run_sets_them_and_restores_the_previous_value(monkeypatch):
 def test_an_explicit_false_turns_off_what_the_environment_turned_on(monkeypatch):
     calls = _recording(monkeypatch)
     env = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64, expandable_segments:True"}
-    restore = segments.apply(False, "embedded", torch.device("cuda"), environ=env)
+    restore = segments.apply(False, EmbeddedBackend, torch.device("cuda"), environ=env)
     restore()
     assert calls == [False, True]
 
@@ -53,7 +80,7 @@ def test_an_explicit_false_turns_off_what_the_environment_turned_on(monkeypatch)
 ])
 def test_nothing_changes_when_nothing_needs_to(monkeypatch, setting, device, environ):
     calls = _recording(monkeypatch)
-    segments.apply(setting, "embedded", torch.device(device), environ=environ)()
+    segments.apply(setting, EmbeddedBackend, torch.device(device), environ=environ)()
     assert calls == []
 
 
@@ -66,7 +93,7 @@ def test_the_recipe_key_is_a_bool_or_unset():
 
 def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a_failed_start(repo, tmp_path,
                                                                                                 monkeypatch):
-    """ColocateRunner hands resources.expandable_segments and rollout.name to :func:`expandable_segments.apply`
+    """ColocateRunner hands resources.expandable_segments and the rollout backend's class to :func:`expandable_segments.apply`
     before anything touches the device, and calls what it returns once: at close, or when the
     runner fails to start (here: a fresh run in a work dir that already holds one)."""
     import yaml
@@ -76,8 +103,8 @@ def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a
 
     calls = []
 
-    def fake_apply(setting, rollout_name, device, environ=None):
-        calls.append(("apply", setting, rollout_name, device.type))
+    def fake_apply(setting, backend, device, environ=None):
+        calls.append(("apply", setting, backend, device.type))
         return lambda: calls.append(("restore",))
 
     monkeypatch.setattr(colocate.expandable_segments, "apply", fake_apply)
@@ -91,11 +118,11 @@ def test_the_runner_applies_the_recipes_setting_and_undoes_it_after_the_run_or_a
         runner.fit()
     finally:
         runner.close()
-    assert calls == [("apply", False, "embedded", "cpu"), ("restore",)]
+    assert calls == [("apply", False, EmbeddedBackend, "cpu"), ("restore",)]
     calls.clear()
     with pytest.raises(Exception, match="already holds a run"):
         colocate.ColocateRunner(rec, quiet=True)
-    assert calls == [("apply", False, "embedded", "cpu"), ("restore",)]
+    assert calls == [("apply", False, EmbeddedBackend, "cpu"), ("restore",)]
 
 
 def test_an_allocator_that_refuses_the_setting_leaves_the_run_without_it(monkeypatch, caplog):
@@ -107,7 +134,7 @@ def test_an_allocator_that_refuses_the_setting_leaves_the_run_without_it(monkeyp
     monkeypatch.setattr(segments, "_set", refuse)
     monkeypatch.setattr(logging.getLogger("rlcli"), "propagate", True)  # a runner's setup_logging turns it off
     with caplog.at_level("WARNING", logger="rlcli"):
-        restore = segments.apply(True, "embedded", torch.device("cuda"), environ={})
+        restore = segments.apply(True, EmbeddedBackend, torch.device("cuda"), environ={})
     restore()  # nothing to undo, nothing raised
     assert "could not turn expandable segments on" in caplog.text
 

@@ -16,7 +16,9 @@ A backend is built once per run from ``(config, ctx)`` and then used from one as
   It is called while no generation step runs (between steps or while paused). A backend whose
   class sets ``accepts_live_weights = True`` copies every tensor before ``update_weights``
   returns and casts it itself: a colocated trainer may then hand it its own parameters (no
-  copy, any floating dtype) instead of cast copies.
+  copy, any floating dtype) instead of cast copies. One whose class sets
+  ``allows_expandable_segments = True`` runs with the CUDA allocator's expandable segments, which
+  the runner then turns on unless the recipe or the environment says otherwise.
 * ``sleep()`` / ``wake_up()`` release and restore device memory (KV cache; weights too at
   ``level=2``) so a colocated trainer can use it. ``shutdown()`` frees everything.
 """
@@ -95,6 +97,10 @@ class InferenceBackend(Component, abc.ABC):
     #: ``update_weights`` has copied (and cast) every tensor when it returns, so it may be given
     #: tensors that alias a trainer's live parameters, in their training dtype.
     accepts_live_weights: ClassVar[bool] = False
+    #: The engine works with the CUDA caching allocator's expandable segments (the runner turns them
+    #: on by default for such a backend: ``resources.expandable_segments``). False when its memory
+    #: pools may not mix with them (vLLM's sleep mode refuses them) or nobody has checked.
+    allows_expandable_segments: ClassVar[bool] = False
 
     def __init__(self, config, ctx: BackendContext):
         super().__init__(config)

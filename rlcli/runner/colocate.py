@@ -53,7 +53,7 @@ class ColocateRunner:
         self.work_dir = Path(work_dir) if work_dir else default_work_dir(recipe)
         device = resolve_device(recipe.resources.device)
         self._restore_allocator = expandable_segments.apply(recipe.resources.expandable_segments,
-                                                            recipe.rollout.name, device)
+                                                            recipe.rollout.cls, device)
         try:
             self._build(recipe, device, quiet, overwrite)
         except BaseException:  # a run that never starts leaves the process's allocator as it found it

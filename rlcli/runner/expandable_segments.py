@@ -6,9 +6,10 @@ failed with 31.7 GiB reserved but unallocated, while the same run with expandabl
 at a 126 GiB peak. Expandable segments map one growing range per stream instead of fixed blocks,
 so a freed range is reused whatever the next request's size.
 
-``None`` (auto) turns them on when the embedded engine rolls out and the process environment does
-not configure the allocator itself (``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``): the
-engine plugins' memory pools may not mix with them (vLLM's sleep mode refuses them). The setting
+``None`` (auto) turns them on when the inference backend's class allows them
+(``InferenceBackend.allows_expandable_segments``: the embedded engine) and the process environment
+does not configure the allocator itself (``PYTORCH_ALLOC_CONF`` / ``PYTORCH_CUDA_ALLOC_CONF``): an
+engine plugin's memory pools may not mix with them (vLLM's sleep mode refuses them). The setting
 is process-wide; :func:`apply` returns the function that puts the previous value back, which
 the runner calls when it closes, so a second run in the same process (a benchmark's TRL + vLLM
 row) starts from the allocator as it was.
@@ -34,11 +35,12 @@ def _env_conf(environ: Mapping[str, str]) -> str | None:
     return None
 
 
-def wanted(setting: bool | None, rollout_name: str, environ: Mapping[str, str] = os.environ) -> bool | None:
-    """True / False to set the allocator so; None to leave it as the environment made it."""
+def wanted(setting: bool | None, backend: type, environ: Mapping[str, str] = os.environ) -> bool | None:
+    """True / False to set the allocator so; None to leave it as the environment made it.
+    ``backend``: the run's inference-backend class."""
     if setting is not None:
         return setting
-    if rollout_name != "embedded" or _env_conf(environ) is not None:
+    if not getattr(backend, "allows_expandable_segments", False) or _env_conf(environ) is not None:
         return None
     return True
 
@@ -60,10 +62,10 @@ def _set(enabled: bool) -> None:
     setter(conf)
 
 
-def apply(setting: bool | None, rollout_name: str, device: torch.device,
+def apply(setting: bool | None, backend: type, device: torch.device,
           environ: Mapping[str, str] = os.environ) -> Callable[[], None]:
     """Set expandable segments for a run on ``device``; returns what undoes it (a no-op when nothing changed)."""
-    want = wanted(setting, rollout_name, environ)
+    want = wanted(setting, backend, environ)
     before = _enabled_in(_env_conf(environ))
     if device.type != "cuda" or want is None or want == before:
         return lambda: None

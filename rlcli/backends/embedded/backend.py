@@ -314,6 +314,7 @@ class EmbeddedBackend(InferenceBackend):
         self._paused = False
 
     accepts_live_weights: ClassVar[bool] = True  # update_weights copies (and casts) before it returns
+    allows_expandable_segments: ClassVar[bool] = True  # the 7B long-tail benchmark ran so (docs/benchmarks.md)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy Hugging Face-named tensors into the model in place and set the policy version.

@@ -72,7 +72,7 @@ def run_disaggregated(recipe: Recipe, work_dir: str | Path | None = None, *, qui
                       overwrite: bool = False) -> tuple[Path, dict[str, float]]:
     """One rank of a disaggregated run (every launched rank calls it); returns train rank 0's
     work dir and last metrics on every rank."""
-    restore_allocator = expandable_segments.apply(recipe.resources.expandable_segments, recipe.rollout.name,
+    restore_allocator = expandable_segments.apply(recipe.resources.expandable_segments, recipe.rollout.cls,
                                                   resolve_device(recipe.resources.device))
     try:
         boot = _boot(recipe, work_dir, quiet, overwrite)
