@@ -133,12 +133,12 @@ def make_model_dir(d: Path) -> Path:
                       tie_word_embeddings=SHAPE.get("tied", True),
                       eos_token_id=v - 1, pad_token_id=v - 2, bos_token_id=None)
     torch.manual_seed(0)
-    # on the GPU when there is one: the CPU's random init of the 7B shape took most of the 320 s
-    # before the first step (ninth session); the GPU's values differ, not their distribution
+    # on the GPU when there is one: 7B in ~40 s with its file writes (tenth session), where the CPU's
+    # random init took most of 320 s (ninth); the GPU's values differ, not their distribution
     try:
         with torch.device(DEVICE):
             model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
-    except Exception as exc:  # not run on the GPU yet: a failure there must not cost the run
+    except Exception as exc:  # a GPU without room for the model (a failure here must not cost the run)
         print(f"[model] random init on {DEVICE} failed ({exc!r}); building on the CPU", flush=True)
         model = AutoModelForCausalLM.from_config(cfg, dtype=DTYPE)
     model.save_pretrained(str(d))

@@ -137,9 +137,8 @@ class ColocateRunner:
                     seqs, adv = sequences_from_groups(batch.groups, self.estimator)
                 metrics = {**batch.metrics, **self.worker.train_step(seqs), "advantage/mean": mean(adv)}
             if rollout_peak is not None:
-                train_peak = self.peak_memory_gib() or (0.0, 0.0)
                 metrics["memory/rollout_peak_gib"], metrics["memory/rollout_reserved_peak_gib"] = rollout_peak
-                metrics["memory/train_peak_gib"], metrics["memory/train_reserved_peak_gib"] = train_peak
+                metrics["memory/train_peak_gib"], metrics["memory/train_reserved_peak_gib"] = self.peak_memory_gib()
             self.step = step
             if self.schedule.sync_due(step):
                 with self.timer("sync"):
