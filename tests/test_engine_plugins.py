@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -107,6 +108,28 @@ def test_recipe_checks_apply_only_to_the_chosen_backend():
 # ------------------------------------------------------------------------------------------
 # Pure helpers of the runtime
 # ------------------------------------------------------------------------------------------
+def _job(return_logprob: bool = True) -> runtime.Job:
+    return runtime.Job(rid="r", prompt=[1], params=SampleParams(return_logprob=return_logprob), seed=None,
+                       stop_ids=[], budget=8, version=0)
+
+
+def test_job_add_keeps_valid_logprobs_and_refuses_invalid_ones():
+    job = _job()
+    job.add([3, np.int64(4)], [-0.5, np.float64(-1.0)])
+    job.add([5, 6, 7], [0, float("-inf"), float("inf")])  # ints and infinities are logprob values
+    assert job.token_ids == [3, 4, 5, 6, 7] and all(type(t) is int for t in job.token_ids)
+    assert job.logprobs == [-0.5, -1.0, 0.0, float("-inf"), float("inf")]
+    assert all(type(lp) is float for lp in job.logprobs)
+    for bad in ([float("nan")], [None], ["-0.5"], [np.float32(-0.5)]):
+        with pytest.raises(RuntimeError, match="invalid logprob"):
+            _job().add([1], bad)
+    with pytest.raises(RuntimeError, match="1 logprobs for 2 tokens"):
+        _job().add([1, 2], [-0.5])
+    unlogged = _job(return_logprob=False)
+    unlogged.add([1, 2], [float("nan")])  # logprobs not asked for are not kept, nor checked
+    assert (unlogged.token_ids, unlogged.logprobs) == ([1, 2], [])
+
+
 def test_stop_ids_validation_budget_and_finish():
     p = SampleParams(max_tokens=10, stop_token_ids=[5, 2])
     assert runtime.stop_ids_for(p, [2, 3]) == [2, 3, 5]
@@ -117,6 +140,10 @@ def test_stop_ids_validation_budget_and_finish():
     assert "out of range" in runtime.validate_request(GenerateRequest([1, 10], SampleParams()), 10, 8)
     assert "out of range" in runtime.validate_request(GenerateRequest([1, True], SampleParams()), 10, 8)
     assert "max_model_len is 3" in runtime.validate_request(GenerateRequest([1, 2, 3], SampleParams()), 10, 3)
+    # the fast path (plain ints) and the per-token path agree: numpy ints pass, floats and bools fail
+    assert runtime.validate_request(GenerateRequest(list(np.array([1, 9])), SampleParams()), 10, 8) is None
+    assert "out of range" in runtime.validate_request(GenerateRequest([1, 2.0], SampleParams()), 10, 8)
+    assert "out of range" in runtime.validate_request(GenerateRequest([-1, 2], SampleParams()), 10, 8)
     assert runtime.response_budget(SampleParams(max_tokens=10), 5, 8) == 3
     assert runtime.response_budget(SampleParams(max_tokens=10), 5, None) == 10
     assert runtime.normalize_finish("abort", None, aborted=True) == ("abort", None)

@@ -267,16 +267,15 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
     chunk, and the answer to an abort of a queued streamed request holds only the last token.
     ``finish_type`` is None while a streamed request runs. Disagreement raises ``ValueError``.
     """
-    out_ids = [int(t) for t in (out.get("output_ids") or [])]
+    out_ids = list(map(int, out.get("output_ids") or []))
     meta = out.get("meta_info") or {}
     entries = meta.get("output_token_logprobs") or []
-    ids, lps = [], []
-    for i, entry in enumerate(entries):
-        value, token = entry[0], entry[1]
-        if value is None or token is None:
-            raise ValueError(f"SGLang returned no logprob for output position {i}: {entry!r}")
-        ids.append(int(token))
-        lps.append(float(value))
+    # whole responses arrive at once: list comprehensions and C-level checks, not a loop per entry
+    values, tokens = [e[0] for e in entries], [e[1] for e in entries]
+    if None in values or None in tokens:
+        i = next(i for i, (v, t) in enumerate(zip(values, tokens)) if v is None or t is None)
+        raise ValueError(f"SGLang returned no logprob for output position {i}: {entries[i]!r}")
+    ids, lps = list(map(int, tokens)), list(map(float, values))
     reason = meta.get("finish_reason")
     if isinstance(reason, Mapping):
         ftype, message = reason.get("type"), reason.get("message")
@@ -288,7 +287,7 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
     if len(out_ids) >= n:
         if ftype is not None and ftype != "abort" and len(out_ids) != n:
             raise ValueError(f"SGLang returned {n} logprobs for {len(out_ids)} tokens")
-        mismatch = next((i for i in range(n) if out_ids[i] != ids[i]), None)
+        mismatch = None if out_ids[:n] == ids else next(i for i in range(n) if out_ids[i] != ids[i])
     elif ftype == "abort" and len(out_ids) <= 1:  # queued stream abort: only the last token
         mismatch = None if not out_ids or out_ids[-1] == ids[-1] else n - 1
     else:

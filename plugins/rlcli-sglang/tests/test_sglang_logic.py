@@ -167,6 +167,13 @@ def test_parse_output_final_and_stream_chunks():
     bad = {"output_ids": [5], "meta_info": {"output_token_logprobs": [(-0.5, 7, None)]}}
     with pytest.raises(ValueError, match="for token 7"):
         parse_output(bad)
+    missing = {"output_ids": [5, 6], "meta_info": {"output_token_logprobs": [(-0.5, 5, None), (None, 6, None)]}}
+    with pytest.raises(ValueError, match=r"no logprob for output position 1: \(None, 6, None\)"):
+        parse_output(missing)
+    later = {"output_ids": [5, 6, 8], "meta_info": {"output_token_logprobs": [(-0.5, 5, None), (-1.0, 6, None),
+                                                                              (-1.0, 7, None)]}}
+    with pytest.raises(ValueError, match="entry 2 is for token 7"):
+        parse_output(later)
     short = {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "length", "length": 2},
                                                  "output_token_logprobs": [(-0.5, 5, None)]}}
     with pytest.raises(ValueError, match="1 logprobs for 2 tokens"):

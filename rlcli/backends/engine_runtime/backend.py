@@ -35,6 +35,7 @@ from rlcli.types import SampleParams
 log = logging.getLogger(__package__)  # "rlcli.backends.engine_runtime", as before the split
 # the most sequences an engine plugin decodes together when its max_batch_size is unset (EngineBackend.max_batch_size)
 AUTO_MAX_BATCH = 1024
+_PLAIN_NUMBERS = frozenset({float, int})  # Job.add's fast check: logprobs of exactly these types
 
 
 @dataclass
@@ -61,11 +62,14 @@ class Job:
             return
         if len(token_ids) != len(logprobs):
             raise RuntimeError(f"the engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-        for lp in logprobs:
-            if not isinstance(lp, (int, float)) or math.isnan(lp):
-                raise RuntimeError(f"the engine returned an invalid logprob {lp!r}")
-        self.token_ids.extend(int(t) for t in token_ids)
-        self.logprobs.extend(float(lp) for lp in logprobs)
+        # A whole response arrives at once (256+ values): check it with C-level passes (types, then a
+        # sum that any NaN turns into NaN), and look value by value only when that fast check fails.
+        if not (set(map(type, logprobs)) <= _PLAIN_NUMBERS and not math.isnan(sum(logprobs))):
+            for lp in logprobs:
+                if not isinstance(lp, (int, float)) or math.isnan(lp):
+                    raise RuntimeError(f"the engine returned an invalid logprob {lp!r}")
+        self.token_ids.extend(map(int, token_ids))
+        self.logprobs.extend(map(float, logprobs))
 
 
 class EngineBackend(InferenceBackend, abc.ABC):
