@@ -19,6 +19,9 @@ Runs (``--plan`` lists them with their arguments):
   0.5b-full-rlcli-kl[-refoffload] the KL penalty, without and with the reference model in CPU memory
   3b-full-rlcli-cpuoffload       fsdp.cpu_offload where it is not needed: its cost against 3b-full-rlcli
   7b-full-rlcli-cpuoffload       7b with fsdp.cpu_offload as well as its preset: the GPU memory it frees, its cost
+  0.5b-full-rlcli-<engine>       rlcli with an engine plugin's rollout (vllm, sglang, lmdeploy; the plugin's
+                                 defaults): its step against 0.5b-full-rlcli (issue 32, acceptance 4). The
+                                 engine must be importable (its wheels); --tiny leaves these rows out
 for shapes 0.5b, 1.5b, 3b, 7b and lengths full (256 tokens, EOS ignored) and longtail (EOS on,
 geometric lengths of mean 256 cut at 1024: benchmarks/lengths.py). 7b's rlcli runs add the
 grpo_step.SHAPE_PRESETS overrides (AdamW moments in bfloat16, 32,768-token packs), which win over
@@ -79,6 +82,8 @@ EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE)
     # with the 7b preset's bfloat16 moments: 12 bytes a parameter, 91 GB of host RAM (16, 122 GB, were killed)
     "7b-full-rlcli-cpuoffload": ("7b", "full", "rlcli cpu_offload", ["train_worker.fsdp.cpu_offload=true"]),
 }
+# rows with an engine plugin's rollout instead of the embedded engine: its step beside the embedded one's
+ENGINE_PLUGINS = ("vllm", "sglang", "lmdeploy")
 CALL_S = 540.0
 
 
@@ -93,11 +98,16 @@ class Run:
     extra: list[str] = field(default_factory=list)  # the row's own rlcli overrides (the table's settings)
 
 
-def rlcli_run(rid: str, shape: str, lengths: str, row: str, extra: list[str], steps: int = 5) -> Run:
+def rlcli_run(rid: str, shape: str, lengths: str, row: str, extra: list[str], steps: int = 5,
+              engine: str | None = None) -> Run:
+    """An rlcli row: HEADLINE, the shape's preset, ``extra``; ``engine`` registers that engine
+    plugin (from plugins/ of this checkout) and rolls out through it."""
     preset = {kv.split("=", 1)[0] for kv in gs.SHAPE_PRESETS.get(shape, [])}
     base = [kv for kv in HEADLINE if kv.split("=", 1)[0] not in preset]  # the shape's preset wins
+    extra = extra + ([f"rollout.name={engine}"] if engine else [])
     sets = [a for kv in base + extra for a in ("--set", kv)]
-    return Run(rid, shape, lengths, row, ["--rlcli", "--label", rid.split("-", 2)[2]] + sets, steps,
+    plugin = ["--engine-plugin", engine] if engine else []
+    return Run(rid, shape, lengths, row, ["--rlcli", "--label", rid.split("-", 2)[2]] + plugin + sets, steps,
                extra=gs.SHAPE_PRESETS.get(shape, []) + extra)
 
 
@@ -121,6 +131,9 @@ def plan_runs() -> list[Run]:
             if shape in TRL_GENERATE_SHAPES:
                 runs.append(Run(f"{base}-trl", shape, lengths, "TRL generate", ["--trl"]))
         runs += [rlcli_run(rid, *spec) for rid, spec in EXTRAS.items() if spec[0] == shape]
+        if shape == "0.5b":
+            runs += [rlcli_run(f"0.5b-full-rlcli-{e}", "0.5b", "full", f"rlcli, {e} plugin", [], engine=e)
+                     for e in ENGINE_PLUGINS]
     return runs
 
 
@@ -146,6 +159,8 @@ def estimate_s(run: Run, cold: bool = True) -> float:
         roll = 0.63 * r ** 0.7 * ((1.2 if "async" in run.id else 2.5) if tail else 1.0)
         offload = 10.0 if any("cpu_offload=true" in kv for kv in run.extra) else 0.0
         step, start, n = roll + 1.08 * r + offload, 60 + 4 * r, run.steps
+        if "--engine-plugin" in run.args:  # the engine's start-up (55-110 s) and its slower rollout (5 s at most)
+            step, start = 1.08 * r + 5.0, start + 110
     elif run.args[0] == "--trl":
         step, start, n = 8 * r ** 0.8 * (3 if tail else 1), 15 + 3 * r, run.steps + 1
     else:
@@ -155,13 +170,15 @@ def estimate_s(run: Run, cold: bool = True) -> float:
 
 def pack_calls(runs: list[Run], budget: float = CALL_S) -> list[list[Run]]:
     """Runs grouped into device calls of at most ``budget`` estimated seconds, in plan order; each
-    call builds the models it needs (a machine starts bare). A run over budget gets a call alone."""
+    call builds the models it needs (a machine starts bare). A run over budget gets a call alone,
+    and so does an engine-plugin row (each engine's wheels go on the machine in their own site)."""
     calls: list[list[Run]] = []
     cur: list[Run] = []
     total = 0.0
     for run in runs:
         cost = estimate_s(run, cold=not any(x.shape == run.shape for x in cur))
-        if cur and total + cost > budget:
+        alone = "--engine-plugin" in run.args or any("--engine-plugin" in x.args for x in cur)
+        if cur and (total + cost > budget or alone):
             calls.append(cur)
             cur, total = [], 0.0
             cost = estimate_s(run, cold=True)
@@ -268,7 +285,8 @@ def table(records: list[dict]) -> str:
     envs = [r["env"] for r in records if r.get("env")]
 
     def seen(key: str) -> str:
-        return ", ".join(sorted({str(e.get(key)) for e in envs})) or "-"
+        # a run without the package (an rlcli-only call has no TRL or vLLM) records None: not a version
+        return ", ".join(sorted({str(e[key]) for e in envs if e.get(key) is not None})) or "-"
 
     lines = [f"Dates: {seen('date')}; GPU: {seen('gpu')}; torch {seen('torch')}, transformers {seen('transformers')}, "
              f"trl {seen('trl')}, vllm {seen('vllm')}; rlcli {seen('rlcli_commit')}.", "",
@@ -365,6 +383,11 @@ def select(runs: list[Run], only: str | None) -> list[Run]:
     return [r for r in runs if any(fnmatch.fnmatch(r.id, p) for p in pats)]
 
 
+def cpu_runs(runs: list[Run]) -> list[Run]:
+    """The runs ``--tiny`` can check on the CPU: not the engine plugins' rows (CUDA only)."""
+    return [r for r in runs if "--engine-plugin" not in r.args]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--plan", action="store_true", help="list the runs, their estimated seconds and device calls")
@@ -388,6 +411,8 @@ def main() -> None:
         write(args.out, records)
         print(table(records))
         return
+    if args.tiny:
+        runs = cpu_runs(runs)
     start, records = time.monotonic(), []
     for run in runs:
         records.append(run_one(run, args, args.deadline_s - (time.monotonic() - start)))

@@ -39,6 +39,11 @@ def test_plan_covers_every_shape_and_length():
     assert "model.lora.r=16" in by["0.5b-full-rlcli-lora"].args
     assert "train_worker.kl.ref_offload=true" in by["0.5b-full-rlcli-kl-refoffload"].args
     assert [r.id for r in sw.select(runs, "7b-*-trl-vllm")] == ["7b-full-trl-vllm", "7b-longtail-trl-vllm"]
+    for engine in sw.ENGINE_PLUGINS:  # the plugin's rollout, everything else as the embedded row
+        row = by[f"0.5b-full-rlcli-{engine}"]
+        assert row.extra == [f"rollout.name={engine}"]
+        assert row.args == ["--rlcli", "--label", f"rlcli-{engine}", "--engine-plugin", engine] + \
+            by["0.5b-full-rlcli"].args[3:] + ["--set", f"rollout.name={engine}"]
 
 
 def test_long_tail_rows_measure_past_the_graph_captures():
@@ -59,6 +64,9 @@ def test_calls_keep_to_the_budget():
     runs = sw.plan_runs()
     calls = sw.pack_calls(runs, 540)
     assert [r.id for c in calls for r in c] == [r.id for r in runs]
+    assert all(len(c) == 1 for c in calls if any("--engine-plugin" in r.args for r in c))
+    left = {r.id for r in runs} - {r.id for r in sw.cpu_runs(runs)}  # --tiny: no engine plugin on the CPU
+    assert left == {f"0.5b-full-rlcli-{e}" for e in sw.ENGINE_PLUGINS}
     for call in calls:
         est = sum(sw.estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
         assert est <= 540 or len(call) == 1
