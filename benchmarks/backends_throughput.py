@@ -158,7 +158,9 @@ async def bare_lmdeploy(backend, reqs: list[list[int]], counter) -> float:
     return n / (time.perf_counter() - t)
 
 
-THROUGHPUT_ROUNDS = 5  # timed rounds of each path, after one warm-up round of each
+# timed rounds of each path, after one warm-up round of each: seven since the eleventh device session
+# (five before), as SGLang's per-round ratios then spread from 0.67 to 1.22 within one call
+THROUGHPUT_ROUNDS = 7
 
 
 def paired_ratio(rates: dict[str, list[float]], path: str) -> float:
@@ -188,13 +190,20 @@ def throughput_paths(engine: str, backend, prompts: list[list[int]]) -> dict[str
 def throughput(engine: str, backend, prompts: list[list[int]]) -> dict[str, list[float]]:
     """Generated tok/s of the paths of :func:`throughput_paths`, in interleaved rounds (a warm-up
     round of each first), so that compilation, cache warm-up or clock drift during the run does not
-    favour one of them."""
+    favour one of them; each round starts one path later (:func:`round_order`), so that no path
+    always follows the same one."""
     paths = throughput_paths(engine, backend, prompts)
     rates: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(1 + THROUGHPUT_ROUNDS):
-        for k, f in paths.items():
-            rates[k].append(f())
+    for i in range(1 + THROUGHPUT_ROUNDS):
+        for k in round_order(list(paths), i):
+            rates[k].append(paths[k]())
     return {k: v[1:] for k, v in rates.items()}
+
+
+def round_order(names: list[str], i: int) -> list[str]:
+    """The paths of round ``i`` (0 the warm-up) in the order they run: ``names`` rotated by ``i``."""
+    k = i % len(names)
+    return names[k:] + names[:k]
 
 
 def host_profile(engine: str, backend, prompts: list[list[int]], top: int = 30) -> dict[str, str]:

@@ -416,6 +416,16 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
         be.shutdown()
 
 
+def test_benchmark_rounds_rotate_the_order_of_the_paths(bench):
+    import backends_throughput as bt
+
+    names = ["plain", "seeded", "bare"]
+    orders = [bt.round_order(names, i) for i in range(4)]
+    assert orders == [names, ["seeded", "bare", "plain"], ["bare", "plain", "seeded"], names]
+    # over len(names) rounds each path runs once in each position
+    assert all(sorted(o[j] for o in orders[:3]) == sorted(names) for j in range(3))
+
+
 def test_benchmark_ratio_pairs_each_round_with_its_bare_round(bench):
     # SGLang's rounds of 2026-12-02: the machine sped up in the last round, plain did not
     rates = {"plain": [17955, 17926, 19903], "seeded": [16906, 17966, 25775], "bare": [17358, 19399, 26138]}
