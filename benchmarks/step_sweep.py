@@ -351,6 +351,11 @@ def ratios(records: list[dict]) -> list[str]:
                  ("0.5b-full-rlcli-lora", "0.5b-full-rlcli")):
         if step.get(a) and step.get(b):
             out.append(f"- {a} against {b}: {step[a]} s against {step[b]} s ({step[a] - step[b]:+.3f} s)")
+    for engine in ENGINE_PLUGINS:  # issue 32, acceptance 4: within 1.5x of the embedded engine's step
+        plugin, embedded = step.get(f"0.5b-full-rlcli-{engine}"), step.get("0.5b-full-rlcli")
+        if plugin and embedded:
+            out.append(f"- 0.5b-full: the {engine} plugin {plugin} s against the embedded engine {embedded} s: "
+                       f"**{plugin / embedded:.2f}×** the embedded step")
     return out
 
 

@@ -98,6 +98,8 @@ def test_merge_keeps_results_and_the_table_states_ratios(tmp_path):
     assert "rlcli 2.0 s, TRL + vLLM tuned 10.0 s: **5.00×**" in text
     assert "async 4.0 s against sync 6.0 s: **1.50×**" in text
     assert "ValueError: boom" in text and "2026-12-05" in text
+    text = sw.table(recs + [_rec("0.5b-full-rlcli-sglang", 3.0)])
+    assert "the sglang plugin 3.0 s against the embedded engine 2.0 s: **1.50×** the embedded step" in text
     assert json.loads((b / "sweep-results.json").read_text())["runs"][0]["id"] == "0.5b-full-rlcli"
 
 
