@@ -143,7 +143,9 @@ class AgentLoop(Component):
     def _warn_inserted_unknown(self, sample: Sample) -> None:
         """Warn once when text the loop inserted (mask 0) encoded to the tokenizer's unknown token."""
         unk = getattr(self.tokenizer, "unk_token_id", None)
-        if unk is not None and any(i == unk and not m for i, m in zip(sample.response_ids, sample.response_mask)):
+        if unk is None or all(sample.response_mask):  # a C-level pass: all generated, nothing inserted
+            return
+        if any(i == unk and not m for i, m in zip(sample.response_ids, sample.response_mask)):
             self._unk_warned = True
             log.warning("agent loop %r inserted text that the tokenizer cannot encode (%s tokens in task %r's "
                         "responses): use only characters of its vocabulary (docs/recipes.md lists the built-in "
