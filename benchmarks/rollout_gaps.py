@@ -2,6 +2,7 @@
 loops, judging, round trips between the loop and the engine's worker thread), step by step:
 
     python benchmarks/rollout_gaps.py --tiny --lengths longtail          # CPU, tiny model, 512 rows
+    python benchmarks/rollout_gaps.py --tiny --lengths full --new 256    # CPU, 512 rows of 256 tokens
     python benchmarks/rollout_gaps.py --shape 0.5b --lengths longtail    # one GPU, grpo_step.py's work
 
 Each GRPO step prints the rollout's wall time, the engine's busy time (the sum of its steps' wall
@@ -45,12 +46,15 @@ def main() -> None:
     ap.add_argument("--lengths", default="longtail", choices=["full", "longtail"])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=64, help="prompts a step (8 responses each)")
+    ap.add_argument("--new", type=int, help="--lengths full: tokens a response (default grpo_step.py's: 256, --tiny 8)")
     ap.add_argument("--tiny", action="store_true", help="the tiny model on the CPU")
     args = ap.parse_args()
     gs.use_shape(args.shape, args.lengths, args.tiny)
     gs.PROMPTS = args.prompts
     if args.tiny:
         gs.PROMPT_LEN = 16
+    if args.new:
+        gs.NEW = args.new
     root = Path(tempfile.mkdtemp(prefix="rollout-gaps-"))
     model_dir = gs.prepare_model(root, None)
     data = gs.write_prompts(root / "prompts.jsonl", gs.PROMPTS * (args.steps + 2))

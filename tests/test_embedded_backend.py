@@ -422,58 +422,6 @@ def test_stats_count_and_reset(model_dir):
     be.shutdown()
 
 
-def test_finishes_are_delivered_without_ending_the_run_of_steps(model_dir, monkeypatch):
-    from rlcli.backends.embedded import backend as backend_module
-
-    monkeypatch.setattr(backend_module, "_STEPS_SLICE_S", 60.0)  # one run of steps, however slow this machine
-    be = make(model_dir, max_batch_size=32)
-    runs = []
-    steps = be._locked_steps
-    be._locked_steps = lambda: runs.append(1) or steps()
-    still_decoding = []
-
-    async def one(n):
-        out = await be.generate(req([5, 6, 7], max_tokens=n, ignore_eos=True))
-        still_decoding.append(be.engine.num_active > 0)
-        return out
-
-    async def main():
-        return await asyncio.gather(*(one(n) for n in [*range(1, 13), 300]))
-
-    outs = asyncio.run(main())
-    assert [len(o.token_ids) for o in outs] == [*range(1, 13), 300]
-    # twelve finishes at twelve steps, one trip to the worker thread: each went back to its caller
-    # while the 300-token row went on decoding
-    assert len(runs) == 1
-    assert still_decoding[:12] == [True] * 12 and still_decoding[12] is False
-    be.shutdown()
-
-
-def test_a_weight_update_waits_for_one_step_not_for_the_run_of_steps(model_dir, monkeypatch):
-    from rlcli.backends.embedded import backend as backend_module
-
-    monkeypatch.setattr(backend_module, "_STEPS_SLICE_S", 60.0)
-    be = make(model_dir, max_batch_size=4)
-    weights = {"lm_head.weight": be.engine.model.embed.weight.detach().clone()}  # the same values again
-    runs = []
-    steps = be._locked_steps
-    be._locked_steps = lambda: runs.append(1) or steps()
-
-    async def main():
-        long = asyncio.ensure_future(be.generate(req([5, 6], max_tokens=450, ignore_eos=True)))
-        while be.engine.num_active == 0:
-            await asyncio.sleep(0.001)
-        await asyncio.to_thread(be.update_weights, weights.items(), 7)  # blocks until it holds the lock
-        running = be.engine.num_active  # the run of steps gave the lock up and went on afterwards
-        out = await long
-        return running, out
-
-    running, out = asyncio.run(main())
-    assert running == 1 and len(out.token_ids) == 450 and out.versions[-1] == 7
-    assert len(runs) >= 2  # the run of steps ended for the waiting update (Python's lock is not fair)
-    be.shutdown()
-
-
 # ------------------------------------------------------------------------------------------ control
 def test_pause_with_many_requests_in_flight(model_dir):
     be = make(model_dir, max_batch_size=64)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -30,12 +29,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# The longest run of engine steps in the worker thread between two visits to the event loop (each
-# visit is a round trip of a few hundred microseconds with the GPU idle). Finished sequences are
-# delivered within a run, and a control call waiting for the lock ends it after the current step
-# (_holding), so the slice only bounds the visits: 0.1 s (0.02 s, and a visit at every finish,
-# before). benchmarks/rollout_gaps.py measures the time a rollout spends outside the steps.
-_STEPS_SLICE_S = 0.1
+_STEPS_SLICE_S = 0.02  # the longest run of engine steps between two visits to the event loop
 
 
 def _release_cuda_workspaces() -> None:
@@ -160,9 +154,6 @@ class EmbeddedBackend(InferenceBackend):
             self._model.compile_decode()
             self._engine.compile_sampler()
         self._lock = threading.Lock()
-        # control calls waiting for the lock (_holding): a run of steps ends at its next step for them
-        self._lock_waiters = 0
-        self._waiters_lock = threading.Lock()
         self._paused = False
         self._asleep = 0
         #: sleep(1) keeps the KV cache: on the CPU it is host memory either way, and allocating it again
@@ -263,36 +254,18 @@ class EmbeddedBackend(InferenceBackend):
             self._deliver(done)
 
     def _locked_steps(self) -> list[tuple[Sequence, GenerateOutput]]:
-        """Engine steps back to back (in the worker thread) until the work runs out, the backend
-        is paused, asleep or closed, or ``_STEPS_SLICE_S`` has passed. Each round trip between the
-        event loop and the worker thread costs a few hundred microseconds with the GPU idle, so one
-        per decode step would add up: sequences that finish along the way are delivered from here
-        (their callers' loops resolve them while the steps go on), not by ending the run of steps;
-        with long-tailed lengths, where some row finishes at most steps, ending it at each finish
-        left the GPU idle for about 0.2 s of a 0.5B rollout. Requests submitted meanwhile are
-        admitted by the next step; a control call waiting for the lock (``sleep``,
-        ``update_weights``: :meth:`_holding`) ends the run after the current step."""
+        """Engine steps back to back (in the worker thread) until a sequence finishes, the work
+        runs out, the backend is paused, asleep or closed, or ``_STEPS_SLICE_S`` has passed. Each
+        round trip between the event loop and the worker thread costs a few hundred microseconds
+        with the GPU idle, so one per decode step would add up; requests submitted meanwhile are
+        admitted by the next step, and each step takes the lock on its own, so ``sleep`` or
+        ``update_weights`` wait for at most one step plus the slice."""
         deadline = time.perf_counter() + _STEPS_SLICE_S
         while True:
             done = self._locked_step()
-            if (self._closed or self._paused or self._asleep or self._lock_waiters or not self._engine.has_work()
+            if (done or self._closed or self._paused or self._asleep or not self._engine.has_work()
                     or time.perf_counter() >= deadline):
                 return done
-            self._deliver(done)
-
-    @contextlib.contextmanager
-    def _holding(self):
-        """The engine lock for a control call (weights, sleep, wake-up, shutdown): a run of steps in
-        the worker thread gives it up after its current step instead of at the end of its slice
-        (``threading.Lock`` is not fair: a thread that re-takes it at once would keep it)."""
-        with self._waiters_lock:
-            self._lock_waiters += 1
-        try:
-            with self._lock:
-                yield
-        finally:
-            with self._waiters_lock:
-                self._lock_waiters -= 1
 
     def _locked_step(self) -> list[tuple[Sequence, GenerateOutput]]:
         with self._lock:
@@ -351,7 +324,7 @@ class EmbeddedBackend(InferenceBackend):
         Unknown names or wrong shapes raise ``ValueError`` before anything is changed. Waits for
         a running step to end; tokens generated afterwards carry ``version``.
         """
-        with self._holding():
+        with self._lock:
             if self._closed:
                 raise RuntimeError("the embedded backend is shut down")
             self._model.load_named_tensors(named_tensors)
@@ -368,7 +341,7 @@ class EmbeddedBackend(InferenceBackend):
         level 2 also drops the graphs and returns cached memory to the driver (for other processes)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
-        with self._holding():
+        with self._lock:
             done = self._engine.abort_all()
             if level == 2:  # the weights move: every captured graph is stale
                 self._engine.reset_cuda_graphs()
@@ -387,7 +360,7 @@ class EmbeddedBackend(InferenceBackend):
 
     def wake_up(self) -> None:
         """Restore what :meth:`sleep` released and resume serving queued requests."""
-        with self._holding():
+        with self._lock:
             if self._asleep >= 2 and self._device.type == "cuda":
                 self._model.to(self._device)
             self._engine.cache.allocate()
@@ -403,7 +376,7 @@ class EmbeddedBackend(InferenceBackend):
 
     def shutdown(self) -> None:
         """Abort everything in flight and free the cache and the model."""
-        with self._holding():
+        with self._lock:
             if self._closed:
                 return
             done = self._engine.abort_all()
