@@ -62,8 +62,8 @@ class Job:
             return
         if len(token_ids) != len(logprobs):
             raise RuntimeError(f"the engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
-        # A whole response arrives at once (256+ values): check it with C-level passes (types, then a
-        # sum that any NaN turns into NaN), and look value by value only when that fast check fails.
+        # A non-streamed response arrives whole (256+ values): check it with C-level passes (types,
+        # then a sum that any NaN turns into NaN), and look value by value only when that check fails.
         if not (set(map(type, logprobs)) <= _PLAIN_NUMBERS and not math.isnan(sum(logprobs))):
             for lp in logprobs:
                 if not isinstance(lp, (int, float)) or math.isnan(lp):
