@@ -22,6 +22,8 @@ Runs (``--plan`` lists them with their arguments):
   0.5b-full-rlcli-<engine>       rlcli with an engine plugin's rollout (vllm, sglang, lmdeploy; the plugin's
                                  defaults): its step against 0.5b-full-rlcli (issue 32, acceptance 4). The
                                  engine must be importable (its wheels); --tiny leaves these rows out
+  0.5b-full-rlcli-<engine>-nolp  the same with sample_params.return_logprob false: the engine is asked for
+                                 no logprobs (bare vLLM decoded 2.3x faster without them); no mismatch/*
 for shapes 0.5b, 1.5b, 3b, 7b and lengths full (256 tokens, EOS ignored) and longtail (EOS on,
 geometric lengths of mean 256 cut at 1024: benchmarks/lengths.py). 7b's rlcli runs add the
 grpo_step.SHAPE_PRESETS overrides (AdamW moments in bfloat16, 32,768-token packs), which win over
@@ -84,6 +86,7 @@ EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE)
 }
 # rows with an engine plugin's rollout instead of the embedded engine: its step beside the embedded one's
 ENGINE_PLUGINS = ("vllm", "sglang", "lmdeploy")
+NO_LOGPROBS = ["tasks.0.agent_loop.sample_params.return_logprob=false"]
 CALL_S = 540.0
 
 
@@ -132,8 +135,10 @@ def plan_runs() -> list[Run]:
                 runs.append(Run(f"{base}-trl", shape, lengths, "TRL generate", ["--trl"]))
         runs += [rlcli_run(rid, *spec) for rid, spec in EXTRAS.items() if spec[0] == shape]
         if shape == "0.5b":
-            runs += [rlcli_run(f"0.5b-full-rlcli-{e}", "0.5b", "full", f"rlcli, {e} plugin", [], engine=e)
-                     for e in ENGINE_PLUGINS]
+            for e in ENGINE_PLUGINS:  # one engine's rows together: one set of wheels on the machine
+                runs += [rlcli_run(f"0.5b-full-rlcli-{e}", "0.5b", "full", f"rlcli, {e} plugin", [], engine=e),
+                         rlcli_run(f"0.5b-full-rlcli-{e}-nolp", "0.5b", "full", f"rlcli, {e} plugin, no logprobs",
+                                   NO_LOGPROBS, engine=e)]
     return runs
 
 
@@ -168,17 +173,23 @@ def estimate_s(run: Run, cold: bool = True) -> float:
     return round(15 + build + start + n * step)
 
 
+def engine_of(run: Run) -> str | None:
+    """The engine plugin a run rolls out through (None: the embedded engine, or not rlcli)."""
+    return run.args[run.args.index("--engine-plugin") + 1] if "--engine-plugin" in run.args else None
+
+
 def pack_calls(runs: list[Run], budget: float = CALL_S) -> list[list[Run]]:
     """Runs grouped into device calls of at most ``budget`` estimated seconds, in plan order; each
     call builds the models it needs (a machine starts bare). A run over budget gets a call alone,
-    and so does an engine-plugin row (each engine's wheels go on the machine in their own site)."""
+    and an engine plugin's rows share calls with rows of that engine only (each engine's wheels go
+    on the machine in their own site)."""
     calls: list[list[Run]] = []
     cur: list[Run] = []
     total = 0.0
     for run in runs:
         cost = estimate_s(run, cold=not any(x.shape == run.shape for x in cur))
-        alone = "--engine-plugin" in run.args or any("--engine-plugin" in x.args for x in cur)
-        if cur and (total + cost > budget or alone):
+        other_engine = len({engine_of(x) for x in cur + [run]}) > 1
+        if cur and (total + cost > budget or other_engine):
             calls.append(cur)
             cur, total = [], 0.0
             cost = estimate_s(run, cold=True)
@@ -351,10 +362,12 @@ def ratios(records: list[dict]) -> list[str]:
                  ("0.5b-full-rlcli-lora", "0.5b-full-rlcli")):
         if step.get(a) and step.get(b):
             out.append(f"- {a} against {b}: {step[a]} s against {step[b]} s ({step[a] - step[b]:+.3f} s)")
-    for engine in ENGINE_PLUGINS:  # issue 32, acceptance 4: within 1.5x of the embedded engine's step
-        plugin, embedded = step.get(f"0.5b-full-rlcli-{engine}"), step.get("0.5b-full-rlcli")
+    embedded = step.get("0.5b-full-rlcli")
+    for engine, what in ((e, w) for e in ENGINE_PLUGINS for w in ("", "-nolp")):
+        plugin = step.get(f"0.5b-full-rlcli-{engine}{what}")  # acceptance 4: within 1.5x of the embedded step
         if plugin and embedded:
-            out.append(f"- 0.5b-full: the {engine} plugin {plugin} s against the embedded engine {embedded} s: "
+            name = f"the {engine} plugin" + (" without logprobs" if what else "")
+            out.append(f"- 0.5b-full: {name} {plugin} s against the embedded engine {embedded} s: "
                        f"**{plugin / embedded:.2f}×** the embedded step")
     return out
 

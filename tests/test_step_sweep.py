@@ -44,6 +44,10 @@ def test_plan_covers_every_shape_and_length():
         assert row.extra == [f"rollout.name={engine}"]
         assert row.args == ["--rlcli", "--label", f"rlcli-{engine}", "--engine-plugin", engine] + \
             by["0.5b-full-rlcli"].args[3:] + ["--set", f"rollout.name={engine}"]
+        bare = by[f"0.5b-full-rlcli-{engine}-nolp"]  # the same, the engine asked for no logprobs
+        assert bare.extra == sw.NO_LOGPROBS + [f"rollout.name={engine}"]
+        assert sw.engine_of(bare) == engine
+        assert [a for a in bare.args if a not in row.args] == [f"rlcli-{engine}-nolp", *sw.NO_LOGPROBS]
 
 
 def test_long_tail_rows_measure_past_the_graph_captures():
@@ -64,9 +68,12 @@ def test_calls_keep_to_the_budget():
     runs = sw.plan_runs()
     calls = sw.pack_calls(runs, 540)
     assert [r.id for c in calls for r in c] == [r.id for r in runs]
-    assert all(len(c) == 1 for c in calls if any("--engine-plugin" in r.args for r in c))
+    assert all(len({sw.engine_of(r) for r in c}) == 1 for c in calls)  # one engine's wheels a call
+    assert [r.id for c in calls for r in c if sw.engine_of(r) == "vllm"] == \
+        ["0.5b-full-rlcli-vllm", "0.5b-full-rlcli-vllm-nolp"]
+    assert any(len(c) == 2 and sw.engine_of(c[0]) == "vllm" for c in calls)
     left = {r.id for r in runs} - {r.id for r in sw.cpu_runs(runs)}  # --tiny: no engine plugin on the CPU
-    assert left == {f"0.5b-full-rlcli-{e}" for e in sw.ENGINE_PLUGINS}
+    assert left == {f"0.5b-full-rlcli-{e}{w}" for e in sw.ENGINE_PLUGINS for w in ("", "-nolp")}
     for call in calls:
         est = sum(sw.estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
         assert est <= 540 or len(call) == 1
@@ -100,6 +107,8 @@ def test_merge_keeps_results_and_the_table_states_ratios(tmp_path):
     assert "ValueError: boom" in text and "2026-12-05" in text
     text = sw.table(recs + [_rec("0.5b-full-rlcli-sglang", 3.0)])
     assert "the sglang plugin 3.0 s against the embedded engine 2.0 s: **1.50×** the embedded step" in text
+    text = sw.table(recs + [_rec("0.5b-full-rlcli-vllm-nolp", 2.5)])
+    assert "the vllm plugin without logprobs 2.5 s against the embedded engine 2.0 s: **1.25×**" in text
     assert json.loads((b / "sweep-results.json").read_text())["runs"][0]["id"] == "0.5b-full-rlcli"
 
 

@@ -46,6 +46,8 @@ on the plugin's engine thread; requests go in as token ids through ``EngineInsta
   value at temperature 1 and for greedy requests, temperature-1 logprobs otherwise (LMDeploy has no
   temperature-scaled mode; a warning is logged once). With ``float32_logits`` (default) the
   engine's logits are upcast before sampling, so the logprobs are float32 rather than bfloat16.
+  A request whose ``return_logprob`` is false asks LMDeploy for none (``GenerationConfig
+  .logprobs`` None).
 * **Pause**: ``async_cancel(session_id)`` per in-flight request; LMDeploy answers ``CANCEL`` with
   the tokens generated so far, whose logprobs arrived with them.
 * **Weights**: loaded in place into the engine's model (``model.load_weights`` with LMDeploy's own
@@ -242,6 +244,9 @@ class LMDeployBackend(EngineBackend):
     @staticmethod
     def _take(job: Job, ids: Any, logprobs: Any, status: str) -> None:
         """Add one delta (token ids and their logprobs) to ``job``."""
+        if not job.params.return_logprob:  # LMDeploy was asked for none (generation_kwargs)
+            job.add(ids, [])
+            return
         try:
             job.add(ids, token_logprobs(ids, logprobs))
         except ValueError:

@@ -164,7 +164,7 @@ def generation_kwargs(
         repetition_penalty=1.0,
         ignore_eos=False,
         stop_token_ids=[int(t) for t in stop_ids] or None,
-        logprobs=1,
+        logprobs=1 if params.return_logprob else None,  # None: LMDeploy computes none for this request
         skip_special_tokens=False,
     )
     if seed is not None:

@@ -43,6 +43,13 @@ def test_generate_streams_deltas_with_their_logprobs(backend):
     assert threading.get_ident() not in backend.fake.thread_ids
 
 
+def test_without_return_logprob_lmdeploy_is_asked_for_none(backend):
+    out = asyncio.run(gen(backend, [4, 5], max_tokens=6, ignore_eos=True, seed=11, return_logprob=False))
+    assert out.token_ids == expected(backend, [4, 5], 6) and out.finish_reason == "length"
+    assert out.logprobs == [] and out.versions == [2] * 6
+    assert backend.fake.requests[-1][2].logprobs is None
+
+
 def test_stop_token_is_kept_and_finish_is_stop(backend):
     first = expected(backend, [7], 1)[0]
     out = asyncio.run(gen(backend, [7], max_tokens=9, stop_token_ids=[first]))

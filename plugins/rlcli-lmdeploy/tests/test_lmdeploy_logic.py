@@ -70,6 +70,8 @@ def test_generation_kwargs_sampled():
     assert (kw["temperature"], kw["top_p"], kw["top_k"], kw["min_p"]) == (0.7, 0.8, 0, 0.0)  # top_k 0: disabled
     assert kw["stop_token_ids"] == [2, 9] and kw["ignore_eos"] is False  # never LMDeploy's ignore_eos (it bans)
     assert kw["logprobs"] == 1 and kw["random_seed"] == 77 and kw["repetition_penalty"] == 1.0
+    assert generation_kwargs(p.model_copy(update={"return_logprob": False}), stop_ids=[2], budget=30,
+                             seed=None)["logprobs"] is None
 
 
 def test_generation_kwargs_greedy_and_ignore_eos():

@@ -40,7 +40,9 @@ thread, the scheduler and detokenizer in the subprocesses SGLang starts. Request
 ids (``skip_tokenizer_init``) straight to the tokenizer manager's ``generate_request``.
 
 * **Logprobs**: SGLang returns ``log(softmax(logits / T))`` over the whole vocabulary, before
-  top-k/top-p filtering - the contract's value for every sampling setting.
+  top-k/top-p filtering - the contract's value for every sampling setting. A request whose
+  ``return_logprob`` is false asks SGLang for none (its tokens are read from ``output_ids``),
+  except a streamed one, whose tokens the plugin reads from the logprob entries.
 * **Pause**: ``abort_request(rid)`` per in-flight request; SGLang answers with the tokens and
   logprobs generated so far (finish "abort").
 * **Weights**: ``update_weights_from_tensor`` (tensors shared with the scheduler through CUDA IPC;
@@ -216,8 +218,10 @@ class SGLangBackend(EngineBackend):
             if job.aborted:
                 return "abort", None
             rid = job.handle = answer  # not served in a batch: sent alone, under this rid
+        # a streamed request's tokens are read from its logprob entries (see parse_output)
         obj = self._api.GenerateReqInput(
-            input_ids=prompt, sampling_params=dict(phase.sampling), return_logprob=True, stream=phase.stream, rid=rid
+            input_ids=prompt, sampling_params=dict(phase.sampling), stream=phase.stream, rid=rid,
+            return_logprob=job.params.return_logprob or phase.stream,
         )
         start = len(job.token_ids)
         gen = self._tm.generate_request(obj, None)
@@ -323,8 +327,8 @@ class SGLangBackend(EngineBackend):
             return
         rids = [q.rid for q in live]
         obj = self._api.GenerateReqInput(
-            input_ids=[q.prompt for q in live], sampling_params=[q.sampling for q in live], return_logprob=True,
-            stream=False, rid=rids,
+            input_ids=[q.prompt for q in live], sampling_params=[q.sampling for q in live],
+            return_logprob=[q.job.params.return_logprob for q in live], stream=False, rid=rids,
         )
         # No await between the check above and SGLang registering the rids: a later abort reaches SGLang.
         gen = self._tm.generate_request(obj, None)
@@ -440,7 +444,7 @@ def _unsent(batch: list[_Queued]) -> list[_Queued]:
 
 def _finished(job: Job, out: Any) -> tuple[str, str | None]:
     """Add the tokens of a non-streamed request's output to ``job``; its finish reason."""
-    ids, lps, ftype, message = parse_output(out)
+    ids, lps, ftype, message = parse_output(out, with_logprobs=job.params.return_logprob)
     job.add(ids, lps)
     return finish_reason(ftype, message)
 

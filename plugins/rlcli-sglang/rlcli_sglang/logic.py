@@ -258,7 +258,7 @@ def first_stop(token_ids: Sequence[int], stops: frozenset[int]) -> int | None:
     return None
 
 
-def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | None, str | None]:
+def parse_output(out: Mapping[str, Any], with_logprobs: bool = True) -> tuple[list[int], list[float], str | None, str | None]:
     """``(token_ids, logprobs, finish_type, finish_message)`` of a tokenizer-manager output dict.
 
     The tokens come from ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, None)``
@@ -266,9 +266,14 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
     must agree with them: equal on a finished output, a prefix of it may lag on a running stream
     chunk, and the answer to an abort of a queued streamed request holds only the last token.
     ``finish_type`` is None while a streamed request runs. Disagreement raises ``ValueError``.
+    Without ``with_logprobs`` (a non-streamed request sent with ``return_logprob`` false, whose
+    output has no logprob entries) the tokens are ``output_ids``, all of them in such an output,
+    and no logprobs come back.
     """
     out_ids = list(map(int, out.get("output_ids") or []))
     meta = out.get("meta_info") or {}
+    if not with_logprobs:
+        return out_ids, [], *_finish_type(meta.get("finish_reason"))
     entries = meta.get("output_token_logprobs") or []
     # whole responses arrive at once: list comprehensions and C-level checks, not a loop per entry
     values, tokens = [e[0] for e in entries], [e[1] for e in entries]
@@ -276,13 +281,7 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
         i = next(i for i, (v, t) in enumerate(zip(values, tokens)) if v is None or t is None)
         raise ValueError(f"SGLang returned no logprob for output position {i}: {entries[i]!r}")
     ids, lps = list(map(int, tokens)), list(map(float, values))
-    reason = meta.get("finish_reason")
-    if isinstance(reason, Mapping):
-        ftype, message = reason.get("type"), reason.get("message")
-    elif isinstance(reason, str):
-        ftype, message = reason, None
-    else:
-        ftype, message = None, None
+    ftype, message = _finish_type(meta.get("finish_reason"))
     n = len(ids)
     if len(out_ids) >= n:
         if ftype is not None and ftype != "abort" and len(out_ids) != n:
@@ -296,7 +295,18 @@ def parse_output(out: Mapping[str, Any]) -> tuple[list[int], list[float], str | 
         raise ValueError(
             f"SGLang logprob entry {mismatch} is for token {ids[mismatch]}, the output has a different token"
         )
-    return ids, lps, (str(ftype) if ftype is not None else None), (str(message) if message else None)
+    return ids, lps, ftype, message
+
+
+def _finish_type(reason: Any) -> tuple[str | None, str | None]:
+    """``(type, message)`` of a ``meta_info["finish_reason"]`` (a dict, a string or None)."""
+    if isinstance(reason, Mapping):
+        ftype, message = reason.get("type"), reason.get("message")
+    elif isinstance(reason, str):
+        ftype, message = reason, None
+    else:
+        ftype, message = None, None
+    return (str(ftype) if ftype is not None else None), (str(message) if message else None)
 
 
 def batch_outputs(outs: Any, rids: Sequence[str]) -> list[Mapping[str, Any]]:

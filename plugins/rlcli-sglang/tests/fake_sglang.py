@@ -3,7 +3,8 @@
 Shapes read in the SGLang 0.5.17 wheel: ``TokenizerManager.generate_request(obj, request)`` (an
 async generator; non-stream yields one final dict, non-incremental stream yields cumulative dicts)
 with outputs ``{"output_ids": [...], "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "output_token_logprobs": [(logprob, token_id, None), ...]}}`` and finish
+"completion_tokens", "output_token_logprobs": [(logprob, token_id, None), ...]}}`` (the logprob
+entries only when the request has ``return_logprob``) and finish
 reasons ``{"type": "stop", "matched": id}`` / ``{"type": "length", "length": n}`` /
 ``{"type": "abort", "message": ..., "status_code": ..., "err_type": ...}``
 (``srt/managers/schedule_batch.py``). As there:
@@ -63,7 +64,7 @@ class RequestAbortedError(ValueError):
 class GenerateReqInput:
     input_ids: list[int] | list[list[int]]  # a list of lists: a batch
     sampling_params: dict | list[dict]
-    return_logprob: bool = False
+    return_logprob: bool | list[bool] = False  # a list: one per request of a batch
     stream: bool = False
     rid: str | list[str] | None = None
 
@@ -129,7 +130,7 @@ class FakeTokenizerManager:
 
     async def generate_request(self, obj: GenerateReqInput, request: Any = None):
         self.thread_ids.add(threading.get_ident())
-        assert request is None and obj.return_logprob
+        assert request is None
         assert "kv_cache" not in self.released, "served a request with the KV cache released"
         self.idle_confirmed = False
         if obj.input_ids and isinstance(obj.input_ids[0], list):
@@ -164,8 +165,9 @@ class FakeTokenizerManager:
             rids = [f"{obj.rid}_{i}" for i in range(n)] if isinstance(obj.rid, str) else list(obj.rid)
         if len(samplings) != n or len(rids) != n:
             raise ValueError("The specified rids length mismatch with the batch_size for batch processing.")
-        subs = [GenerateReqInput(ids, dict(sp), True, False, rid)
-                for ids, sp, rid in zip(obj.input_ids, samplings, rids)]
+        lps = obj.return_logprob if isinstance(obj.return_logprob, list) else [obj.return_logprob] * n
+        subs = [GenerateReqInput(ids, dict(sp), lp, False, rid)
+                for ids, sp, lp, rid in zip(obj.input_ids, samplings, lps, rids)]
         self.generate_calls.append(n)
         self.requests.extend(subs)
         self.live.update(rids)
@@ -216,9 +218,10 @@ class FakeTokenizerManager:
 
     @staticmethod
     def _out(obj, ids, lps, finish):
-        return {"output_ids": ids, "meta_info": {
-            "id": obj.rid, "finish_reason": finish, "prompt_tokens": len(obj.input_ids), "completion_tokens": len(ids),
-            "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, ids)]}}
+        meta = {"id": obj.rid, "finish_reason": finish, "prompt_tokens": len(obj.input_ids), "completion_tokens": len(ids)}
+        if obj.return_logprob:  # TokenizerManager adds the logprob entries only then
+            meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(lps, ids)]
+        return {"output_ids": ids, "meta_info": meta}
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         self.calls.append(("abort_request", rid))

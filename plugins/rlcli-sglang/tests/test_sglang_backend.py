@@ -44,10 +44,31 @@ def test_generate_returns_tokens_logprobs_versions_on_the_engine_thread(backend)
     req = backend.tm.requests[-1]
     assert req.input_ids == [5, 6] and req.stream is False and req.sampling_params["ignore_eos"] is True
     assert "sampling_seed" not in req.sampling_params  # use_request_seeds is off by default
-    # without return_logprob the same tokens come back without logprobs (the plugin's parser reads
-    # SGLang's logprob entries for the tokens, so SGLang still computes them)
+    assert req.return_logprob is True
+
+
+def test_without_return_logprob_sglang_is_asked_for_none(backend):
+    """The same tokens come back, read from ``output_ids``; SGLang was not asked for logprobs (it
+    then skips their computation and its per-token bookkeeping)."""
+    out = asyncio.run(gen(backend, [5, 6], max_tokens=7, ignore_eos=True))
     bare = asyncio.run(gen(backend, [5, 6], max_tokens=7, ignore_eos=True, return_logprob=False))
     assert bare.token_ids == out.token_ids and bare.logprobs == [] and bare.versions == [1] * 7
+    assert bare.finish_reason == "length" and backend.tm.requests[-1].return_logprob is False
+    stop = expected(backend, [3, 3], 1)[0]
+    stopped = asyncio.run(gen(backend, [3, 3], max_tokens=9, stop_token_ids=[stop], return_logprob=False))
+    assert stopped.token_ids == [stop] and stopped.finish_reason == "stop" and stopped.logprobs == []
+
+
+def test_streamed_request_without_return_logprob_still_reads_logprob_entries(backend):
+    """ignore_eos with stop ids streams; the plugin reads a stream's tokens from the logprob
+    entries (output_ids can hold only the last token), so it asks for them and drops them."""
+    toks = expected(backend, [5, 6], 4)
+    cut = toks.index(toks[3])
+    out = asyncio.run(gen(backend, [5, 6], max_tokens=9, ignore_eos=True, stop_token_ids=[toks[3]],
+                          return_logprob=False))
+    req = backend.tm.requests[-1]
+    assert req.stream is True and req.return_logprob is True
+    assert out.token_ids == toks[: cut + 1] and out.finish_reason == "stop" and out.logprobs == []
 
 
 def test_engine_stops_include_eos_and_the_stop_token_is_returned(backend):

@@ -88,6 +88,16 @@ def test_concurrent_requests_become_one_batch_with_the_single_request_outputs(ba
     assert not any(r.stream for r in sent) and len({r.rid for r in sent}) == 20
 
 
+def test_a_batch_asks_logprobs_only_for_the_requests_that_want_them(backend):
+    reqs = [([4, i], dict(max_tokens=5, ignore_eos=True, return_logprob=i % 2 == 0)) for i in range(1, 7)]
+    outs = run_all(backend, reqs)
+    assert backend.tm.generate_calls == [6]
+    assert [r.return_logprob for r in backend.tm.requests[-6:]] == [i % 2 == 0 for i in range(1, 7)]
+    for (prompt, kw), out in zip(reqs, outs):
+        assert out.token_ids == expected(backend, prompt, 5) and out.finish_reason == "length"
+        assert out.logprobs == ([token_logprob(t) for t in out.token_ids] if kw["return_logprob"] else [])
+
+
 def test_a_refused_request_fails_alone_and_the_rest_are_sent_one_by_one(backend):
     # rlcli lets this prompt through (it fits max_model_len); SGLang refuses it, failing the whole batch
     too_long = [5] * (backend.max_model_len - 3)

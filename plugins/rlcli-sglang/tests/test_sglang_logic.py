@@ -151,6 +151,15 @@ def test_first_stop():
     assert first_stop([], frozenset({2})) is None
 
 
+def test_parse_output_without_logprobs_reads_output_ids():
+    out = {"output_ids": [5, 6, 2], "meta_info": {"id": "r", "finish_reason": {"type": "stop", "matched": 2}}}
+    assert parse_output(out, with_logprobs=False) == ([5, 6, 2], [], "stop", None)
+    aborted = {"output_ids": [5], "meta_info": {"finish_reason": {"type": "abort", "message": "Aborted"}}}
+    assert parse_output(aborted, with_logprobs=False) == ([5], [], "abort", "Aborted")
+    assert parse_output({"output_ids": [], "meta_info": {"finish_reason": "length"}}, with_logprobs=False) == (
+        [], [], "length", None)
+
+
 def test_parse_output_final_and_stream_chunks():
     out = {"output_ids": [5, 6, 2], "meta_info": {
         "id": "r", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 3,

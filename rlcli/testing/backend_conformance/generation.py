@@ -150,7 +150,9 @@ def check_stop_and_length(make_backend: BackendFactory, model_dir: str | Path, *
     * a stop token id ends the response right after its first occurrence, included
       (finish "stop"); a smaller ``max_tokens`` ends it first (finish "length");
     * without ``ignore_eos`` the response ends at the first EOS (checked when the greedy
-      continuation contains one).
+      continuation contains one);
+    * ``return_logprob: false`` gives the same greedy responses with no logprobs (an engine may
+      then skip computing them).
     """
 
     async def main():
@@ -166,6 +168,13 @@ def check_stop_and_length(make_backend: BackendFactory, model_dir: str | Path, *
                 assert len(out.token_ids) == max_tokens and out.finish_reason == "length", (
                     f"ignore_eos: expected exactly {max_tokens} tokens, got {len(out.token_ids)} ({out.finish_reason})"
                 )
+            bare = await asyncio.gather(*(_gen(backend, p, temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                               return_logprob=False) for p in ps))
+            for p, out, b in zip(ps, full, bare):
+                assert (b.token_ids, b.finish_reason, b.logprobs, len(b.versions)) == (
+                    out.token_ids, "length", [], max_tokens), (
+                    f"return_logprob=false on {p}: expected {out.token_ids} (length) without logprobs, got "
+                    f"{b.token_ids} ({b.finish_reason}), {len(b.logprobs)} logprobs, {len(b.versions)} versions")
             for p, out in zip(ps, full):
                 g = out.token_ids
                 # the stop token whose first occurrence comes latest (most informative)
