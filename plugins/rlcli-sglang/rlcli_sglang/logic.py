@@ -258,7 +258,9 @@ def first_stop(token_ids: Sequence[int], stops: frozenset[int]) -> int | None:
     return None
 
 
-def parse_output(out: Mapping[str, Any], with_logprobs: bool = True) -> tuple[list[int], list[float], str | None, str | None]:
+def parse_output(
+    out: Mapping[str, Any], with_logprobs: bool = True
+) -> tuple[list[int], list[float], str | None, str | None]:
     """``(token_ids, logprobs, finish_type, finish_message)`` of a tokenizer-manager output dict.
 
     The tokens come from ``meta_info["output_token_logprobs"]`` (``(logprob, token_id, None)``

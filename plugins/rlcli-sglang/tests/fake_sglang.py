@@ -218,7 +218,8 @@ class FakeTokenizerManager:
 
     @staticmethod
     def _out(obj, ids, lps, finish):
-        meta = {"id": obj.rid, "finish_reason": finish, "prompt_tokens": len(obj.input_ids), "completion_tokens": len(ids)}
+        meta = {"id": obj.rid, "finish_reason": finish, "prompt_tokens": len(obj.input_ids),
+                "completion_tokens": len(ids)}
         if obj.return_logprob:  # TokenizerManager adds the logprob entries only then
             meta["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(lps, ids)]
         return {"output_ids": ids, "meta_info": meta}
