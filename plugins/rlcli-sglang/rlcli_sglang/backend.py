@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -13,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from pydantic import Field
 
-from rlcli.backends.base import BackendContext, GenerateOutput, GenerateRequest
+from rlcli.backends.base import BackendContext
 from rlcli.component import ComponentConfig
 from rlcli.backends.engine_runtime import EngineBackend, Job, MemoryShare, memory_option
 from rlcli_sglang.logic import (
@@ -77,7 +76,7 @@ class SGLangBackend(EngineBackend):
     managed_engine_kwargs = MANAGED_ENGINE_KWARGS
     float32_refusal = FLOAT32_REFUSAL  # a clear error up front, not a dead scheduler and a SIGQUIT later
     idle_timeout_s: ClassVar[float] = 120.0
-    batch_hold_s: ClassVar[float] = 0.5  # batch_requests: the longest callers' bursts hold a batch back
+    batch_hold_s: ClassVar[float] = 0.5  # batch_requests: the longest a queued request waits for more
 
     class Config(ComponentConfig):
         mem_fraction_static: MemoryShare = memory_option(
@@ -127,8 +126,6 @@ class SGLangBackend(EngineBackend):
         self._queued: list[_Queued] = []  # batch_requests: requests for the next batch (engine loop)
         self._queued_since = 0.0
         self._flush_turn = 0  # the flush scheduled last
-        self._holds: set[object] = set()  # callers' bursts still arriving (engine loop)
-        self._bursts: set[asyncio.AbstractEventLoop] = set()  # caller loops holding batches back
         self._batches: set[asyncio.Task] = set()
         super().__init__(config, ctx)
         self.batch_requests: bool = self.config.batch_requests  # the runtime switch behind the option
@@ -250,44 +247,6 @@ class SGLangBackend(EngineBackend):
             await gen.aclose()
 
     # -------------------------------------------------------------------------- batched requests
-    async def generate(self, request: GenerateRequest) -> GenerateOutput:
-        """As :meth:`EngineBackend.generate`; with ``batch_requests``, the requests a caller's event
-        loop makes in one turn go to SGLang together (see :meth:`_hold_batches`)."""
-        if self.batch_requests:
-            self._hold_batches()
-        return await super().generate(request)
-
-    def _hold_batches(self) -> None:
-        """(On the caller's thread.) Hold batches back until the caller's event loop ends this turn:
-        the ``generate`` calls of one turn reach the engine loop one by one, over several of its
-        turns, and are meant to be one batch."""
-        caller = asyncio.get_running_loop()
-        if caller in self._bursts:
-            return
-        token = object()
-        try:
-            self._loop.loop.call_soon_threadsafe(self._hold, token)
-        except RuntimeError:  # the engine loop has stopped (generate says so)
-            return
-        self._bursts.add(caller)
-        caller.call_soon(self._end_burst, caller, token)
-
-    def _end_burst(self, caller: asyncio.AbstractEventLoop, token: object) -> None:
-        self._bursts.discard(caller)
-        with contextlib.suppress(RuntimeError):  # the engine loop has stopped
-            self._loop.loop.call_soon_threadsafe(self._unhold, token)
-
-    def _hold(self, token: object) -> None:
-        self._holds.add(token)
-        # the caller's loop may stop before its next turn: the hold expires
-        asyncio.get_running_loop().call_later(self.batch_hold_s, self._unhold, token)
-
-    def _unhold(self, token: object) -> None:
-        if token in self._holds:
-            self._holds.discard(token)
-            if self._queued:
-                self._schedule_flush()
-
     def _in_batch(self, job: Job, prompt: list[int], sampling: dict[str, Any], rid: str) -> asyncio.Future:
         """Queue a non-streamed request for the next batch. The future's result is SGLang's output
         dict, or the rid under which to send the request alone (the batch did not serve it)."""
@@ -306,10 +265,11 @@ class SGLangBackend(EngineBackend):
         asyncio.get_running_loop().call_soon(self._flush, self._flush_turn)
 
     def _flush(self, turn: int) -> None:
-        """Send what is queued as one batch, unless a later flush is scheduled or callers'
-        requests are still arriving - for at most ``batch_hold_s``."""
+        """Send what is queued as one batch, unless a later flush is scheduled (requests still
+        arriving) - for at most ``batch_hold_s``. The requests a caller's loop makes in one turn
+        reach this loop together (the runtime's relay), and queue here in the same turn."""
         overdue = asyncio.get_running_loop().time() - self._queued_since >= self.batch_hold_s
-        if not self._queued or (not overdue and (turn != self._flush_turn or self._holds)):
+        if not self._queued or (not overdue and turn != self._flush_turn):
             return
         batch, self._queued = self._queued, []
         task = asyncio.ensure_future(self._send_batch(batch))

@@ -46,6 +46,7 @@ Matched against the SGLang 0.5.17 sources (wheel ``sglang-0.5.17-cp311-cp311-man
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -258,6 +259,9 @@ def first_stop(token_ids: Sequence[int], stops: frozenset[int]) -> int | None:
     return None
 
 
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def parse_output(
     out: Mapping[str, Any], with_logprobs: bool = True
 ) -> tuple[list[int], list[float], str | None, str | None]:
@@ -277,8 +281,8 @@ def parse_output(
     if not with_logprobs:
         return out_ids, [], *_finish_type(meta.get("finish_reason"))
     entries = meta.get("output_token_logprobs") or []
-    # whole responses arrive at once: list comprehensions and C-level checks, not a loop per entry
-    values, tokens = [e[0] for e in entries], [e[1] for e in entries]
+    # whole responses arrive at once: C-level passes (map, checks), not a Python loop per entry
+    values, tokens = list(map(_FIRST, entries)), list(map(_SECOND, entries))
     if None in values or None in tokens:
         i = next(i for i, (v, t) in enumerate(zip(values, tokens)) if v is None or t is None)
         raise ValueError(f"SGLang returned no logprob for output position {i}: {entries[i]!r}")

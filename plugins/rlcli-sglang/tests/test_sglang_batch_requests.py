@@ -175,11 +175,12 @@ def test_a_request_cancelled_while_sglang_takes_the_batch_in_ends_the_batch(back
 
 
 def test_a_request_aborted_while_queued_ends_at_once_unsent(backend):
-    backend.batch_hold_s = 30.0  # the caller's loop blocks in sleep() below: its hold would last that long
+    backend._flush = lambda turn: None  # the batch stays queued, as while more requests arrive
 
     async def main():
         task = asyncio.ensure_future(gen(backend, [1, 2], max_tokens=50, ignore_eos=True))
-        await asyncio.sleep(0)  # its generate call has run; this loop's next turn would release the batch
+        while not backend._queued:  # the request reaches the plugin's queue on the engine thread
+            await asyncio.sleep(0.005)
         t = time.perf_counter()
         backend.sleep(1)
         slept = time.perf_counter() - t

@@ -6,7 +6,8 @@ depend on the engine, once for all engines:
 
 * **One engine thread.** The engine lives on a daemon thread that runs its own asyncio event loop
   (:class:`EngineLoop`). ``generate`` hands each request to that loop and awaits the result from the
-  caller's loop, so the caller's loop never blocks on the engine and the engine's own asyncio
+  caller's loop (through :class:`Relay`: the requests a caller's loop makes in one turn cross
+  together, and results cross back once per engine-loop turn), so the caller's loop never blocks on the engine and the engine's own asyncio
   machinery (SGLang's tokenizer manager, LMDeploy's request manager) sees one loop for its whole
   life, whatever loops its callers use (the conformance kit starts a new loop per check). The
   synchronous control calls (``pause``, ``update_weights``, ``sleep``, ``wake_up``, ``shutdown``)
@@ -42,6 +43,8 @@ the path plugins import from):
   :func:`response_budget`, :func:`prepare_weight_update`, :func:`normalize_finish` and
   :class:`SeedSequence`.
 * ``loop.py`` - :class:`EngineLoop`, the engine thread.
+* ``relay.py`` - :class:`Relay`, the requests' way between callers' loops and the engine loop,
+  and :class:`EngineStopped`.
 * ``backend.py`` - :class:`EngineBackend` and :class:`Job`.
 
 Patching a name here (``mock.patch("rlcli.backends.engine_runtime.xyz")``) does not reach the
@@ -79,6 +82,7 @@ from rlcli.backends.engine_runtime.kv_budget import (
     plan_kv_cache,
 )
 from rlcli.backends.engine_runtime.loop import EngineLoop
+from rlcli.backends.engine_runtime.relay import EngineStopped, Relay
 from rlcli.backends.engine_runtime.model_info import ModelInfo, read_model_info
 from rlcli.backends.engine_runtime.package import EnginePackage, _version_tuple, managed_kwarg_issues  # noqa: F401
 from rlcli.types import SampleParams  # noqa: F401 - importable from here before the split
@@ -89,6 +93,7 @@ __all__ = [
     "AUTO_MAX_SHARE",
     "EngineBackend",
     "EngineLoop",
+    "EngineStopped",
     "EnginePackage",
     "Job",
     "KVBudget",
@@ -96,6 +101,7 @@ __all__ = [
     "KV_MARGIN_PERCENT",
     "MemoryShare",
     "ModelInfo",
+    "Relay",
     "SeedSequence",
     "kv_shape_from_config",
     "managed_kwarg_issues",

@@ -28,6 +28,7 @@ from rlcli.backends.engine_runtime.helpers import (
 )
 from rlcli.backends.engine_runtime.kv_budget import KVBudget, plan_kv_cache
 from rlcli.backends.engine_runtime.loop import EngineLoop
+from rlcli.backends.engine_runtime.relay import EngineStopped, Relay
 from rlcli.backends.engine_runtime.model_info import read_model_info
 from rlcli.backends.engine_runtime.package import EnginePackage, managed_kwarg_issues
 from rlcli.types import SampleParams
@@ -138,6 +139,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
         self._gate: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._loop = EngineLoop(f"rlcli-{self.name}")
+        self._relay = Relay(self._loop)  # requests and their results cross threads once per loop turn
         self._loop.start()
         try:
             self._loop.call(self._startup(), timeout=self.startup_timeout_s)
@@ -298,10 +300,9 @@ class EngineBackend(InferenceBackend, abc.ABC):
         if self._paused:
             return GenerateOutput(finish_reason="abort")
         try:
-            fut = self._loop.submit(self._generate(request))
-        except RuntimeError as exc:
+            return await self._relay.run(lambda: self._generate(request))
+        except EngineStopped as exc:
             return GenerateOutput(finish_reason="error", error=str(exc))
-        return await asyncio.wrap_future(fut)
 
     async def _generate(self, request: GenerateRequest) -> GenerateOutput:
         if not self._gate.is_set():
@@ -320,7 +321,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
         if caveat is not None and caveat not in self._caveats_logged:
             self._caveats_logged.add(caveat)
             log.warning("%s backend: %s", self.name, caveat)
-        prompt = [int(t) for t in request.prompt_ids]
+        prompt = list(map(int, request.prompt_ids))
         job = Job(
             rid=f"rlcli-{next(self._ids)}",
             prompt=prompt,
