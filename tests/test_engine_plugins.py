@@ -125,6 +125,12 @@ def test_job_add_keeps_valid_logprobs_and_refuses_invalid_ones():
             _job().add([1], bad)
     with pytest.raises(RuntimeError, match="1 logprobs for 2 tokens"):
         _job().add([1, 2], [-0.5])
+    src_ids, src_lps = [8, 9], [-0.1, -0.2]  # plain lists are taken as they are: copied, not kept
+    plain = _job()
+    plain.add(src_ids, src_lps)
+    src_ids.append(1)
+    src_lps[0] = 5.0
+    assert (plain.token_ids, plain.logprobs) == ([8, 9], [-0.1, -0.2])
     unlogged = _job(return_logprob=False)
     unlogged.add([1, 2], [float("nan")])  # logprobs not asked for are not kept, nor checked
     assert (unlogged.token_ids, unlogged.logprobs) == ([1, 2], [])

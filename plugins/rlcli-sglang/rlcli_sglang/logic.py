@@ -260,6 +260,7 @@ def first_stop(token_ids: Sequence[int], stops: frozenset[int]) -> int | None:
 
 
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_INT, _FLOAT = frozenset({int}), frozenset({float})
 
 
 def parse_output(
@@ -276,17 +277,21 @@ def parse_output(
     output has no logprob entries) the tokens are ``output_ids``, all of them in such an output,
     and no logprobs come back.
     """
-    out_ids = list(map(int, out.get("output_ids") or []))
     meta = out.get("meta_info") or {}
     if not with_logprobs:
-        return out_ids, [], *_finish_type(meta.get("finish_reason"))
+        return list(map(int, out.get("output_ids") or [])), [], *_finish_type(meta.get("finish_reason"))
     entries = meta.get("output_token_logprobs") or []
-    # whole responses arrive at once: C-level passes (map, checks), not a Python loop per entry
+    # whole responses arrive at once: C-level passes (map, type sets), not a Python loop per entry;
+    # SGLang's own lists of ints and floats are taken as they are
     values, tokens = list(map(_FIRST, entries)), list(map(_SECOND, entries))
-    if None in values or None in tokens:
-        i = next(i for i, (v, t) in enumerate(zip(values, tokens)) if v is None or t is None)
-        raise ValueError(f"SGLang returned no logprob for output position {i}: {entries[i]!r}")
-    ids, lps = list(map(int, tokens)), list(map(float, values))
+    out_ids = out.get("output_ids") or []
+    if not (set(map(type, tokens)) <= _INT and set(map(type, values)) <= _FLOAT
+            and type(out_ids) is list and set(map(type, out_ids)) <= _INT):
+        if None in values or None in tokens:
+            i = next(i for i, (v, t) in enumerate(zip(values, tokens)) if v is None or t is None)
+            raise ValueError(f"SGLang returned no logprob for output position {i}: {entries[i]!r}")
+        tokens, values, out_ids = list(map(int, tokens)), list(map(float, values)), list(map(int, out_ids))
+    ids, lps = tokens, values
     ftype, message = _finish_type(meta.get("finish_reason"))
     n = len(ids)
     if len(out_ids) >= n:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,6 +150,14 @@ def test_first_stop():
     assert first_stop([1, 2, 3, 2], frozenset({2})) == 1
     assert first_stop([1, 3], frozenset({2})) is None
     assert first_stop([], frozenset({2})) is None
+
+
+def test_parse_output_converts_what_is_not_plain_ints_and_floats():
+    out = {"output_ids": (5, np.int64(6)), "meta_info": {"finish_reason": "length",
+                                                         "output_token_logprobs": [(-1, 5, None), (-0.5, 6, None)]}}
+    ids, lps, ftype, _ = parse_output(out)
+    assert (ids, lps, ftype) == ([5, 6], [-1.0, -0.5], "length")
+    assert [type(t) for t in ids] == [int, int] and [type(v) for v in lps] == [float, float]
 
 
 def test_parse_output_without_logprobs_reads_output_ids():

@@ -37,6 +37,7 @@ log = logging.getLogger(__package__)  # "rlcli.backends.engine_runtime", as befo
 # the most sequences an engine plugin decodes together when its max_batch_size is unset (EngineBackend.max_batch_size)
 AUTO_MAX_BATCH = 1024
 _PLAIN_NUMBERS = frozenset({float, int})  # Job.add's fast check: logprobs of exactly these types
+_INTS, _FLOATS = frozenset({int}), frozenset({float})
 
 
 @dataclass
@@ -65,12 +66,15 @@ class Job:
             raise RuntimeError(f"the engine returned {len(logprobs)} logprobs for {len(token_ids)} tokens")
         # A non-streamed response arrives whole (256+ values): check it with C-level passes (types,
         # then a sum that any NaN turns into NaN), and look value by value only when that check fails.
-        if not (set(map(type, logprobs)) <= _PLAIN_NUMBERS and not math.isnan(sum(logprobs))):
+        types = set(map(type, logprobs))
+        if not (types <= _PLAIN_NUMBERS and not math.isnan(sum(logprobs))):
             for lp in logprobs:
                 if not isinstance(lp, (int, float)) or math.isnan(lp):
                     raise RuntimeError(f"the engine returned an invalid logprob {lp!r}")
-        self.token_ids.extend(map(int, token_ids))
-        self.logprobs.extend(map(float, logprobs))
+        # lists of plain ints and floats are taken as they are; anything else is converted
+        plain_ids = type(token_ids) is list and set(map(type, token_ids)) <= _INTS
+        self.token_ids.extend(token_ids if plain_ids else map(int, token_ids))
+        self.logprobs.extend(logprobs if types <= _FLOATS else map(float, logprobs))
 
 
 class EngineBackend(InferenceBackend, abc.ABC):
