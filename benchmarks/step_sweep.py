@@ -150,6 +150,11 @@ def n_params(shape: str) -> float:
     return s["layers"] * layer + s["vocab"] * h * (1 if s["tied"] else 2) + h
 
 
+def engine_of(run: Run) -> str | None:
+    """The engine plugin a run rolls out through (None: the embedded engine, or not rlcli)."""
+    return run.args[run.args.index("--engine-plugin") + 1] if "--engine-plugin" in run.args else None
+
+
 def estimate_s(run: Run, cold: bool = True) -> float:
     """Rough seconds of a run: process start, the model build (``cold``), start-up, steps. Scaled from
     the 0.5b figures (rlcli 0.63 s rollout + 1.08 s train, TRL 8 s per step) by the parameter count;
@@ -164,18 +169,13 @@ def estimate_s(run: Run, cold: bool = True) -> float:
         roll = 0.63 * r ** 0.7 * ((1.2 if "async" in run.id else 2.5) if tail else 1.0)
         offload = 10.0 if any("cpu_offload=true" in kv for kv in run.extra) else 0.0
         step, start, n = roll + 1.08 * r + offload, 60 + 4 * r, run.steps
-        if "--engine-plugin" in run.args:  # the engine's start-up (55-110 s) and its slower rollout (5 s at most)
+        if engine_of(run):  # the engine's start-up (55-110 s) and its slower rollout (5 s at most)
             step, start = 1.08 * r + 5.0, start + 110
     elif run.args[0] == "--trl":
         step, start, n = 8 * r ** 0.8 * (3 if tail else 1), 15 + 3 * r, run.steps + 1
     else:
         step, start, n = 17.4 * r ** 0.48 if tail else 9.3 * r ** 0.3, 100 + 4 * r, run.steps + 1
     return round(15 + build + start + n * step)
-
-
-def engine_of(run: Run) -> str | None:
-    """The engine plugin a run rolls out through (None: the embedded engine, or not rlcli)."""
-    return run.args[run.args.index("--engine-plugin") + 1] if "--engine-plugin" in run.args else None
 
 
 def pack_calls(runs: list[Run], budget: float = CALL_S) -> list[list[Run]]:
@@ -403,7 +403,7 @@ def select(runs: list[Run], only: str | None) -> list[Run]:
 
 def cpu_runs(runs: list[Run]) -> list[Run]:
     """The runs ``--tiny`` can check on the CPU: not the engine plugins' rows (CUDA only)."""
-    return [r for r in runs if "--engine-plugin" not in r.args]
+    return [r for r in runs if engine_of(r) is None]
 
 
 def main() -> None:

@@ -244,11 +244,8 @@ class LMDeployBackend(EngineBackend):
     @staticmethod
     def _take(job: Job, ids: Any, logprobs: Any, status: str) -> None:
         """Add one delta (token ids and their logprobs) to ``job``."""
-        if not job.params.return_logprob:  # LMDeploy was asked for none (generation_kwargs)
-            job.add(ids, [])
-            return
-        try:
-            job.add(ids, token_logprobs(ids, logprobs))
+        try:  # a request without return_logprob asked LMDeploy for none (generation_kwargs)
+            job.add(ids, token_logprobs(ids, logprobs) if job.params.return_logprob else [])
         except ValueError:
             if status != "CANCEL":
                 raise

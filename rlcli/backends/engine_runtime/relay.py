@@ -89,8 +89,8 @@ class Relay:
             task = call.task
             if task.cancelled():
                 call.result.cancel()
-            elif task.exception() is not None:
-                call.result.set_exception(task.exception())
+            elif (exc := task.exception()) is not None:
+                call.result.set_exception(exc)
             else:
                 call.result.set_result(task.result())
 
