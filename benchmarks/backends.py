@@ -34,6 +34,11 @@ run
     median over rounds of each round's ratio to that round's bare rate, for plain, seeded and
     batched (all rounds are in the JSON).
 
+    With ``--kernel-profile``, one more round of bare and of plain runs under the GPU profiler
+    (``engine_kernels.py``: SGLang's own profiler in its scheduler process, ``torch.profiler``
+    for the engines in rlcli's process), summarised per 512-row decode step: GPU busy and idle
+    time and GPU time by kernel class (``kernel_profile`` results, a table in the markdown).
+
     Then three GRPO steps (``runner.fit()``: rollout, sleep, train, weight sync, wake up), the
     recipe of ``grpo_step.py`` (reward = response length mod 7, lr 1e-6).
 
@@ -126,6 +131,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-profile", action="store_true",
                     help="after the throughput rounds, profile one plain and one bare round on the engine thread "
                          "(host-profile-<engine>-{plain,bare}.txt in --out)")
+    ap.add_argument("--kernel-profile", action="store_true",
+                    help="after the throughput rounds, one bare and one plain round under the GPU profiler, "
+                         "summarised per decode step by kernel class (engine_kernels.py; kernel_profile results)")
     ap.add_argument("--checks", default="", help="comma-separated conformance checks to run (default: all)")
     ap.add_argument("--kit-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a backend setting of the conformance kit's engines, on top of the script's (repeatable; "
@@ -174,6 +182,7 @@ def apply_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     except ValueError as exc:
         ap.error(str(exc))
     common.HOST_PROFILE = (args.out or Path(".")) if args.host_profile else None
+    common.KERNEL_PROFILE = args.kernel_profile
     from rlcli.testing import backend_conformance as bc
 
     known = [*bc.ALL_CHECKS, "logprobs_in_exact_range", "sleep_releases_device_memory"]

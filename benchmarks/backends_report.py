@@ -51,6 +51,14 @@ def markdown(engine: str, env: dict) -> str:
         lines += [f"Via rlcli with `batch_requests: true`: {thr['batched_tok_s']:,} tok/s, "
                   f"{thr['batched_ratio']:.2f} of bare (per-round median {thr['batched_ratio_paired_median']:.2f}).",
                   ""]
+    kernels = {f"{r['path']}": r["summary"] for r in by.get("kernel_profile", []) if "summary" in r}
+    if kernels:
+        from engine_kernels import markdown as kernel_table
+
+        lines += [f"GPU kernels of one profiled round ({engine}; `engine_kernels.py`):", "", kernel_table(kernels)]
+    for r in by.get("kernel_profile", []):
+        if "error" in r:
+            lines += [f"Kernel profile of {r['path']}: error: {str(r['error']).strip().splitlines()[-1][:150]}", ""]
     lines += [
         "| check | result | detail | by design |",
         "| --- | --- | --- | --- |",

@@ -1,6 +1,7 @@
 """``benchmarks/backends.py``'s section "run": the engine behind ``ColocateRunner`` next to its
 trainer, as ``rlcli train`` builds them; throughput through rlcli and bare (``backends_throughput``),
-``--host-profile``'s profiles, then three GRPO steps (``runner.fit()``)."""
+``--host-profile``'s profiles, ``--kernel-profile``'s GPU kernel summaries (``engine_kernels``), then
+three GRPO steps (``runner.fit()``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import backends_common as common
 import grpo_step as gs
 from backends_common import GRPO_STEPS, PLUGIN_MODULES, K, NotRun, result
-from backends_throughput import host_profile, paired_ratio, throughput, workload
+from backends_throughput import host_profile, paired_ratio, throughput, throughput_paths, workload
 
 
 def run_rollout_config(engine: str, sequences: int) -> dict[str, Any]:
@@ -43,6 +44,8 @@ def section_run(engine: str, root: Path) -> None:
         report_throughput(engine, runner.backend, prompts)
         if common.HOST_PROFILE is not None:
             report_host_profile(engine, runner.backend, prompts, common.HOST_PROFILE)
+        if common.KERNEL_PROFILE:
+            report_kernel_profile(engine, runner.backend, prompts, root / "kernels")
         if hasattr(runner.backend, "_use_seeds"):
             runner.backend._use_seeds = bool(getattr(runner.backend.config, "use_request_seeds", True))
         runner.backend.stats()  # reset the counters: the GRPO rows count their own tokens
@@ -159,6 +162,24 @@ def report_host_profile(engine: str, backend, prompts: list[list[int]], where: P
         result(what="host_profile", engine=engine, error=f"not run: {exc}")
     except Exception:
         result(what="host_profile", engine=engine, error=traceback.format_exc()[-2000:])
+
+
+def report_kernel_profile(engine: str, backend, prompts: list[list[int]], where: Path) -> None:
+    """``--kernel-profile``: one bare and one plain round under the GPU profiler, each recorded as a
+    ``kernel_profile`` result with ``engine_kernels.summarise``'s per-step figures (the traces stay in
+    ``where``: too large to come back from the device)."""
+    from engine_kernels import load_gpu_events, profiled_round, summarise
+
+    paths = throughput_paths(engine, backend, prompts)
+    tokens, rows = len(prompts) * K * gs.NEW, len(prompts) * K
+    for name in ("bare", "plain"):
+        try:
+            trace, rate = profiled_round(engine, backend, paths[name], where, f"kernels-{engine}-{name}")
+            summary = summarise(load_gpu_events(trace), tokens, rows, wall_s=tokens / rate)
+            result(what="kernel_profile", engine=engine, path=name, tok_s=round(rate), trace=str(trace),
+                   summary=summary)
+        except Exception:
+            result(what="kernel_profile", engine=engine, path=name, error=traceback.format_exc()[-2000:])
 
 
 def report_grpo(engine: str, rows: list[dict]) -> None:

@@ -58,6 +58,26 @@ def kernel_class(name: str) -> str:
     return "other " + name[:80]
 
 
+def busy_span_gaps(gpu: list[dict]) -> tuple[float, float, list[tuple[float, float]]]:
+    """Of GPU activities sorted by start: the time some activity ran (overlapping streams counted
+    once), the span from the first start to the last end, and the idle gaps as (start, length), in
+    the trace's microseconds."""
+    busy, end, gaps = 0.0, None, []
+    for e in gpu:
+        start, stop = e["ts"], e["ts"] + e["dur"]
+        if end is None:
+            busy += e["dur"]
+            end = stop
+        elif start >= end:
+            gaps.append((end, start - end))
+            busy += e["dur"]
+            end = stop
+        elif stop > end:  # overlaps the running activity (another stream)
+            busy += stop - end
+            end = stop
+    return busy, end - gpu[0]["ts"], gaps
+
+
 def analyse(events: list[dict], min_gap_us: float = 20.0, top: int = 15,
             window: tuple[float, float] | None = None) -> dict:
     ranges = [e for e in events if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("rlcli")]
@@ -75,20 +95,7 @@ def analyse(events: list[dict], min_gap_us: float = 20.0, top: int = 15,
         open_ = [r for r in ranges if r["ts"] <= ts <= r["ts"] + r["dur"]]
         return min(open_, key=lambda r: r["dur"])["name"] if open_ else "-"
 
-    busy, end, gaps = 0.0, None, []
-    for e in gpu:
-        start, stop = e["ts"], e["ts"] + e["dur"]
-        if end is None:
-            busy += e["dur"]
-            end = stop
-        elif start >= end:
-            gaps.append((end, start - end))
-            busy += e["dur"]
-            end = stop
-        elif stop > end:  # overlaps the running activity (another stream)
-            busy += stop - end
-            end = stop
-    span = end - gpu[0]["ts"]
+    busy, span, gaps = busy_span_gaps(gpu)
 
     per_range: dict[str, list[float]] = {}
     for r in sorted(ranges, key=lambda r: r["ts"]):

@@ -457,6 +457,20 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
 
 
+def test_benchmark_markdown_states_the_kernel_profile(bench, monkeypatch):
+    summary = {"wall_ms": 3.0, "span_ms": 2.9, "busy_ms": 2.5, "idle_ms": 0.4, "kernels": 310.0,
+               "classes_ms": {"matmul": 1.2, "attention": 0.6}, "top_kernels": []}
+    monkeypatch.setattr(bench.common, "RESULTS", [
+        {"what": "kernel_profile", "engine": "sglang", "path": "bare", "summary": summary},
+        {"what": "kernel_profile", "engine": "sglang", "path": "plain", "error": "Traceback\nValueError: no GPU activity"},
+    ])
+    env = {"date": "2026-12-05", "device": "NVIDIA H200", "torch": "2.11.0", "commit": "abc", "engine_version": "sglang 0.5.17"}
+    md = bench.markdown("sglang", env)
+    assert "| ms per 512-row decode step | bare |" in md and "| GPU busy | 2.500 |" in md
+    assert "| GPU time: attention | 0.600 |" in md
+    assert "Kernel profile of plain: error: ValueError: no GPU activity" in md
+
+
 def test_benchmark_copies_diagnostic(bench, tmp_path, monkeypatch):
     """``--sections copies``: variants parse, the summary counts parting copies, and the section runs
     each variant's engine through the three loads and reports them in the markdown."""
