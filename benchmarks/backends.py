@@ -131,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-profile", action="store_true",
                     help="after the throughput rounds, profile one plain and one bare round on the engine thread "
                          "(host-profile-<engine>-{plain,bare}.txt in --out)")
+    ap.add_argument("--paths", default="",
+                    help="comma-separated throughput paths to time besides bare (default: all of the engine's), "
+                         "e.g. plain for a longer run of the rlcli/bare ratio alone")
+    ap.add_argument("--rounds", type=int, default=0, help="timed throughput rounds (default 7), after one warm-up round")
     ap.add_argument("--kernel-profile", action="store_true",
                     help="after the throughput rounds, one bare and one plain round under the GPU profiler, "
                          "summarised per decode step by kernel class (engine_kernels.py; kernel_profile results)")
@@ -183,6 +187,14 @@ def apply_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         ap.error(str(exc))
     common.HOST_PROFILE = (args.out or Path(".")) if args.host_profile else None
     common.KERNEL_PROFILE = args.kernel_profile
+    common.PATHS[:] = [p.strip() for p in args.paths.split(",") if p.strip()]
+    known_paths = {"plain", "seeded", "bare"} | ({"bare_each", "batched"} if args.engine == "sglang" else set())
+    if set(common.PATHS) - known_paths:
+        ap.error(f"--paths: unknown for {args.engine}: {sorted(set(common.PATHS) - known_paths)}; "
+                 f"known: {', '.join(sorted(known_paths))}")
+    if args.rounds < 0:
+        ap.error("--rounds must be 0 (the default) or more")
+    common.ROUNDS = args.rounds
     from rlcli.testing import backend_conformance as bc
 
     known = [*bc.ALL_CHECKS, "logprobs_in_exact_range", "sleep_releases_device_memory"]

@@ -1,7 +1,7 @@
 """What the parts of ``benchmarks/backends.py`` share: the engines and their plugin modules, the
 ``RESULT`` records of the run, the time budget of the device call, and the options ``main`` sets
 (``--checks``, ``--kit-set``, ``--kit-variant``, ``--deadline-s``, ``--host-profile``,
-``--kernel-profile``).
+``--kernel-profile``, ``--paths``, ``--rounds``).
 
 ``main`` (and the tests) set the options and ``RESULTS`` after import, some by rebinding them: the
 other modules read them as ``common.NAME`` when they run, never by ``from backends_common import``.
@@ -34,6 +34,8 @@ KIT_SET: list[str] = []  # --kit-set: KEY=VALUE settings of the kit engines' bac
 RUN_SET: list[str] = []  # --run-set: KEY=VALUE settings of the run section's rollout config (the tuned engine)
 KIT_VARIANTS: list[tuple[str, list[str]]] = []  # --kit-variant NAME:KEY=VALUE,...: the copies section's engines
 HOST_PROFILE: Path | None = None  # --host-profile: write the engine thread's profiles here
+PATHS: list[str] = []  # --paths: the throughput paths to time besides bare; empty: all
+ROUNDS: int = 0  # --rounds: timed throughput rounds; 0: backends_throughput.THROUGHPUT_ROUNDS
 KERNEL_PROFILE: bool = False  # --kernel-profile: one bare and one plain round under the GPU profiler
 
 

@@ -29,10 +29,16 @@ def markdown(engine: str, env: dict) -> str:
     else:
         grpo_cell = "not run" if "grpo" not in by else f"error: {str(grpo.get('error', ''))[:120]}"
     thr = (by.get("throughput") or [{}])[-1]
-    if "rlcli_tok_s" in thr:
+    if "bare_tok_s" in thr:
         paired = f" (per-round median {thr['ratio_paired_median']:.2f})" if "ratio_paired_median" in thr else ""
-        tput = (f"{thr['rlcli_tok_s']:,} | {thr['rlcli_seeded_tok_s']:,} | {thr['bare_tok_s']:,} | "
-                f"{thr['ratio']:.2f}{paired}")
+        if "ratio_paired_quartiles" in thr:
+            paired = paired[:-1] + f", quartiles {', '.join(f'{q:.2f}' for q in thr['ratio_paired_quartiles'])})"
+
+        def rate(key: str) -> str:
+            return f"{thr[key]:,}" if key in thr else "not run"
+
+        ratio = f"{thr['ratio']:.2f}{paired}" if "ratio" in thr else "-"
+        tput = f"{rate('rlcli_tok_s')} | {rate('rlcli_seeded_tok_s')} | {thr['bare_tok_s']:,} | {ratio}"
     else:
         tput = "not run | - | - | -" if "throughput" not in by else "error | - | - | -"
     lines = [

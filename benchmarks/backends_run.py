@@ -129,20 +129,26 @@ def engine_settings(engine: str, backend) -> dict[str, Any]:
 
 
 def report_throughput(engine: str, backend, prompts: list[list[int]]) -> None:
-    """The throughput rounds, recorded as one ``throughput`` result (or its error)."""
+    """The throughput rounds, recorded as one ``throughput`` result (or its error): each path's best
+    round and its ratio to the best bare round, the median of its per-round ratios to bare and, for
+    plain, their quartiles."""
     try:
         rates = throughput(engine, backend, prompts)
-        plain, seeded, bare_rate = (max(rates[k]) for k in ("plain", "seeded", "bare"))
-        result(what="throughput", engine=engine, sequences=len(prompts) * K, new_tokens=gs.NEW,
-               rlcli_tok_s=round(plain), rlcli_seeded_tok_s=round(seeded), bare_tok_s=round(bare_rate),
-               ratio=round(plain / bare_rate, 3), seeded_ratio=round(seeded / bare_rate, 3),
-               ratio_paired_median=round(paired_ratio(rates, "plain"), 3),
-               seeded_ratio_paired_median=round(paired_ratio(rates, "seeded"), 3),
-               **({"bare_each_tok_s": round(max(rates["bare_each"]))} if "bare_each" in rates else {}),
-               **({"batched_tok_s": round(max(rates["batched"])),
-                   "batched_ratio": round(max(rates["batched"]) / bare_rate, 3),
-                   "batched_ratio_paired_median": round(paired_ratio(rates, "batched"), 3)}
-                  if "batched" in rates else {}),
+        bare_rate = max(rates["bare"])
+        keys = {"plain": ("rlcli_tok_s", "ratio"), "seeded": ("rlcli_seeded_tok_s", "seeded_ratio"),
+                "batched": ("batched_tok_s", "batched_ratio"), "bare_each": ("bare_each_tok_s", None)}
+        fields: dict[str, Any] = {"bare_tok_s": round(bare_rate)}
+        for path, (rate_key, ratio_key) in keys.items():
+            if path not in rates:
+                continue
+            fields[rate_key] = round(max(rates[path]))
+            if ratio_key is not None:
+                fields[ratio_key] = round(max(rates[path]) / bare_rate, 3)
+                fields[f"{ratio_key}_paired_median"] = round(paired_ratio(rates, path), 3)
+        if "plain" in rates and len(rates["bare"]) >= 2:
+            per_round = [p / b for p, b in zip(rates["plain"], rates["bare"])]
+            fields["ratio_paired_quartiles"] = [round(q, 3) for q in statistics.quantiles(per_round, n=4)]
+        result(what="throughput", engine=engine, sequences=len(prompts) * K, new_tokens=gs.NEW, **fields,
                rounds={k: [round(r) for r in v] for k, v in rates.items()})
     except Exception:
         result(what="throughput", engine=engine, error=traceback.format_exc()[-2000:])

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+import backends_common as common
 import grpo_step as gs
 from backends_common import K, NotRun
 
@@ -188,13 +189,19 @@ def throughput_paths(engine: str, backend, prompts: list[list[int]]) -> dict[str
 
 
 def throughput(engine: str, backend, prompts: list[list[int]]) -> dict[str, list[float]]:
-    """Generated tok/s of the paths of :func:`throughput_paths`, in interleaved rounds (a warm-up
-    round of each first), so that compilation, cache warm-up or clock drift during the run does not
-    favour one of them; each round starts one path later (:func:`round_order`), so that no path
-    always follows the same one."""
+    """Generated tok/s of the paths of :func:`throughput_paths` (those of ``--paths`` when given;
+    "bare" always), in interleaved rounds (a warm-up round of each first; ``--rounds`` timed rounds,
+    default ``THROUGHPUT_ROUNDS``), so that compilation, cache warm-up or clock drift during the run
+    does not favour one of them; each round starts one path later (:func:`round_order`), so that no
+    path always follows the same one."""
     paths = throughput_paths(engine, backend, prompts)
+    if common.PATHS:
+        unknown = set(common.PATHS) - set(paths)
+        if unknown:
+            raise ValueError(f"--paths: {engine} has no path {sorted(unknown)}; its paths: {', '.join(paths)}")
+        paths = {k: v for k, v in paths.items() if k in common.PATHS or k == "bare"}
     rates: dict[str, list[float]] = {k: [] for k in paths}
-    for i in range(1 + THROUGHPUT_ROUNDS):
+    for i in range(1 + (common.ROUNDS or THROUGHPUT_ROUNDS)):
         for k in round_order(list(paths), i):
             rates[k].append(paths[k]())
     return {k: v[1:] for k, v in rates.items()}

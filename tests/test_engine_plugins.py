@@ -418,6 +418,20 @@ def test_benchmark_throughput_paths_run_over_the_fake_engines(engine, bench, tmp
         rates = bench.throughput(engine, be, prompts)  # warm-up + 2 interleaved rounds of each path
         paths = ["bare", "plain", "seeded"] + (["bare_each", "batched"] if engine == "sglang" else [])
         assert sorted(rates) == sorted(paths) and all(len(v) == 2 and min(v) > 0 for v in rates.values())
+        # --paths plain --rounds 3: the ratio alone, in more rounds, recorded with its quartiles
+        monkeypatch.setattr(bench.common, "PATHS", ["plain"])
+        monkeypatch.setattr(bench.common, "ROUNDS", 3)
+        monkeypatch.setattr(bench.common, "RESULTS", [])
+        import backends_run
+
+        backends_run.report_throughput(engine, be, prompts)
+        (rec,) = bench.common.RESULTS
+        assert sorted(rec["rounds"]) == ["bare", "plain"] and all(len(v) == 3 for v in rec["rounds"].values())
+        assert "rlcli_seeded_tok_s" not in rec and len(rec["ratio_paired_quartiles"]) == 3
+        assert rec["ratio_paired_median"] == rec["ratio_paired_quartiles"][1]
+        monkeypatch.setattr(bench.common, "PATHS", ["nonesuch"])
+        with pytest.raises(ValueError, match="has no path"):
+            bench.throughput(engine, be, prompts)
     finally:
         be.shutdown()
 
@@ -454,6 +468,10 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
     assert "| 20,000 | 15,000 | 21,000 | 0.95 |" in md
     bench.common.RESULTS[-1]["ratio_paired_median"] = 0.9
     assert "| 20,000 | 15,000 | 21,000 | 0.95 (per-round median 0.90) |" in bench.markdown("vllm", env)
+    bench.common.RESULTS[-1]["ratio_paired_quartiles"] = [0.85, 0.9, 0.97]
+    del bench.common.RESULTS[-1]["rlcli_seeded_tok_s"]  # --paths plain
+    assert "| 20,000 | not run | 21,000 | 0.95 (per-round median 0.90, quartiles 0.85, 0.90, 0.97) |" in \
+        bench.markdown("vllm", env)
     assert "| sleep_wake | FAIL | AssertionError: x / y | memory_allocated() is blind |" in md
 
 
