@@ -24,6 +24,9 @@ Runs (``--plan`` lists them with their arguments):
                                  engine must be importable (its wheels); --tiny leaves these rows out
   0.5b-full-rlcli-<engine>-nolp  the same with sample_params.return_logprob false: the engine is asked for
                                  no logprobs (bare vLLM decoded 2.3x faster without them); no mismatch/*
+  0.5b-full-rlcli-sglang-idle    the SGLang plugin with engine_kwargs.sleep_on_idle: SGLang's scheduler
+                                 process sleeps when idle instead of spinning on a core (training ran
+                                 0.14 s slower beside it than beside the embedded engine)
 for shapes 0.5b, 1.5b, 3b, 7b and lengths full (256 tokens, EOS ignored) and longtail (EOS on,
 geometric lengths of mean 256 cut at 1024: benchmarks/lengths.py). 7b's rlcli runs add the
 grpo_step.SHAPE_PRESETS overrides (AdamW moments in bfloat16, 32,768-token packs), which win over
@@ -87,6 +90,13 @@ EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE)
 # rows with an engine plugin's rollout instead of the embedded engine: its step beside the embedded one's
 ENGINE_PLUGINS = ("vllm", "sglang", "lmdeploy")
 NO_LOGPROBS = ["tasks.0.agent_loop.sample_params.return_logprob=false"]
+# each engine plugin's rows: id suffix -> (row label suffix, overrides, engines); "-idle": SGLang's scheduler
+# process spins while idle (through the whole training phase) unless sleep_on_idle is set
+PLUGIN_ROWS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
+    "": ("", [], ENGINE_PLUGINS),
+    "-nolp": (", no logprobs", NO_LOGPROBS, ENGINE_PLUGINS),
+    "-idle": (", sleep_on_idle", ["rollout.engine_kwargs.sleep_on_idle=true"], ("sglang",)),
+}
 CALL_S = 540.0
 
 
@@ -136,9 +146,9 @@ def plan_runs() -> list[Run]:
         runs += [rlcli_run(rid, *spec) for rid, spec in EXTRAS.items() if spec[0] == shape]
         if shape == "0.5b":
             for e in ENGINE_PLUGINS:  # one engine's rows together: one set of wheels on the machine
-                runs += [rlcli_run(f"0.5b-full-rlcli-{e}", "0.5b", "full", f"rlcli, {e} plugin", [], engine=e),
-                         rlcli_run(f"0.5b-full-rlcli-{e}-nolp", "0.5b", "full", f"rlcli, {e} plugin, no logprobs",
-                                   NO_LOGPROBS, engine=e)]
+                runs += [rlcli_run(f"0.5b-full-rlcli-{e}{suffix}", "0.5b", "full", f"rlcli, {e} plugin{label}", sets,
+                                   engine=e)
+                         for suffix, (label, sets, engines) in PLUGIN_ROWS.items() if e in engines]
     return runs
 
 
@@ -363,10 +373,10 @@ def ratios(records: list[dict]) -> list[str]:
         if step.get(a) and step.get(b):
             out.append(f"- {a} against {b}: {step[a]} s against {step[b]} s ({step[a] - step[b]:+.3f} s)")
     embedded = step.get("0.5b-full-rlcli")
-    for engine, what in ((e, w) for e in ENGINE_PLUGINS for w in ("", "-nolp")):
+    for engine, what in ((e, w) for e in ENGINE_PLUGINS for w in PLUGIN_ROWS):
         plugin = step.get(f"0.5b-full-rlcli-{engine}{what}")  # acceptance 4: within 1.5x of the embedded step
         if plugin and embedded:
-            name = f"the {engine} plugin" + (" without logprobs" if what else "")
+            name = f"the {engine} plugin{PLUGIN_ROWS[what][0]}"
             out.append(f"- 0.5b-full: {name} {plugin} s against the embedded engine {embedded} s: "
                        f"**{plugin / embedded:.2f}×** the embedded step")
     return out

@@ -48,6 +48,9 @@ def test_plan_covers_every_shape_and_length():
         assert bare.extra == sw.NO_LOGPROBS + [f"rollout.name={engine}"]
         assert sw.engine_of(bare) == engine
         assert [a for a in bare.args if a not in row.args] == [f"rlcli-{engine}-nolp", *sw.NO_LOGPROBS]
+    idle = by["0.5b-full-rlcli-sglang-idle"]  # SGLang's scheduler asleep when idle, not spinning
+    assert idle.extra == ["rollout.engine_kwargs.sleep_on_idle=true", "rollout.name=sglang"]
+    assert not any(r.startswith(("0.5b-full-rlcli-vllm-idle", "0.5b-full-rlcli-lmdeploy-idle")) for r in by)
 
 
 def test_long_tail_rows_measure_past_the_graph_captures():
@@ -73,7 +76,10 @@ def test_calls_keep_to_the_budget():
         ["0.5b-full-rlcli-vllm", "0.5b-full-rlcli-vllm-nolp"]
     assert any(len(c) == 2 and sw.engine_of(c[0]) == "vllm" for c in calls)
     left = {r.id for r in runs} - {r.id for r in sw.cpu_runs(runs)}  # --tiny: no engine plugin on the CPU
-    assert left == {f"0.5b-full-rlcli-{e}{w}" for e in sw.ENGINE_PLUGINS for w in ("", "-nolp")}
+    assert left == {f"0.5b-full-rlcli-{e}{w}" for e in sw.ENGINE_PLUGINS for w in ("", "-nolp")} | \
+        {"0.5b-full-rlcli-sglang-idle"}
+    assert [r.id for c in calls for r in c if sw.engine_of(r) == "sglang"] == \
+        ["0.5b-full-rlcli-sglang", "0.5b-full-rlcli-sglang-nolp", "0.5b-full-rlcli-sglang-idle"]
     for call in calls:
         est = sum(sw.estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
         assert est <= 540 or len(call) == 1
@@ -108,7 +114,9 @@ def test_merge_keeps_results_and_the_table_states_ratios(tmp_path):
     text = sw.table(recs + [_rec("0.5b-full-rlcli-sglang", 3.0)])
     assert "the sglang plugin 3.0 s against the embedded engine 2.0 s: **1.50×** the embedded step" in text
     text = sw.table(recs + [_rec("0.5b-full-rlcli-vllm-nolp", 2.5)])
-    assert "the vllm plugin without logprobs 2.5 s against the embedded engine 2.0 s: **1.25×**" in text
+    assert "the vllm plugin, no logprobs 2.5 s against the embedded engine 2.0 s: **1.25×**" in text
+    text = sw.table(recs + [_rec("0.5b-full-rlcli-sglang-idle", 2.8)])
+    assert "the sglang plugin, sleep_on_idle 2.8 s against the embedded engine 2.0 s: **1.40×**" in text
     assert json.loads((b / "sweep-results.json").read_text())["runs"][0]["id"] == "0.5b-full-rlcli"
 
 
