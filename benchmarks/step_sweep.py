@@ -32,6 +32,11 @@ geometric lengths of mean 256 cut at 1024: benchmarks/lengths.py). 7b's rlcli ru
 grpo_step.SHAPE_PRESETS overrides (AdamW moments in bfloat16, 32,768-token packs), which win over
 HEADLINE where both set a key.
 
+``--profile-train`` adds ``grpo_step.py --profile train`` to each run (its fourth train step under
+torch.profiler, not counted in the medians) and copies the kernel tables to ``--out`` as
+``profile-<run>.txt``: where a row's training phase is slower than another's, they say which
+kernels or gaps.
+
 ``--out DIR`` gets ``sweep-results.json`` (every run: its arguments, estimate, wall time, exit
 code, grpo_step's results and environment, the tail of its log) and ``table.md``, rewritten after
 each run; the runs' own files stay under ``--work``. A run that fails is recorded with its error
@@ -232,6 +237,8 @@ def command(run: Run, args) -> list[str]:
     cmd = [sys.executable, str(HERE / "grpo_step.py"), *run.args, "--shape", run.shape, "--lengths", run.lengths,
            "--steps", str(args.steps or (2 if args.tiny else run.steps)), "--model-cache", str(args.model_cache),
            "--out", str(args.work / run.id)]
+    if args.profile_train:
+        cmd += ["--profile", "train"]  # grpo_step profiles its fourth train step and leaves it out of the medians
     if args.tiny:
         cmd.append("--tiny")
         cmd = [c for i, c in enumerate(cmd) if not (c.startswith(CUDA_ONLY) or (c == "--set" and cmd[i + 1].startswith(CUDA_ONLY)))]
@@ -264,6 +271,11 @@ def run_one(run: Run, args, time_left: float) -> dict:
     if res.exists():
         data = json.loads(res.read_text())
         rec.update(env=data["env"], results=data["results"])
+    prof = args.work / run.id / "profiles.txt"
+    if args.profile_train and args.out and prof.exists():  # beside sweep-results.json: it comes back from the device
+        args.out.mkdir(parents=True, exist_ok=True)
+        rec["profile"] = f"profile-{run.id}.txt"
+        (args.out / rec["profile"]).write_text(prof.read_text())
     errors = [r["error"] for r in rec.get("results", []) if "error" in r]
     if errors or rc != 0 or not rec.get("results"):
         rec["error"] = errors[0] if errors else f"exit {rc}{killed_by(rc)}: {rec['log_tail'][-1500:]}"
@@ -427,6 +439,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, help="override every run's --steps")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny model (grpo_step --tiny): checks every path")
     ap.add_argument("--deadline-s", type=float, default=CALL_S, help="no run starts that would end after this")
+    ap.add_argument("--profile-train", action="store_true",
+                    help="torch.profiler over each run's fourth train step (grpo_step --profile train, left out of "
+                         "the step medians); its kernel tables go to --out as profile-<run>.txt")
     args = ap.parse_args()
     runs = select(plan_runs(), args.only)
     if args.plan:

@@ -165,3 +165,28 @@ def test_a_killed_run_says_so(monkeypatch):
     assert sw.killed_by(-signal.SIGKILL) == f" (SIGKILL; {line})"
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, "", ""))
     assert "OOM killer" in sw.killed_by(-signal.SIGKILL)
+
+
+def test_profile_train_passes_through_and_brings_the_tables_back(tmp_path, monkeypatch):
+    import argparse
+    import subprocess
+
+    run = {r.id: r for r in sw.plan_runs()}["0.5b-full-rlcli-sglang"]
+    args = argparse.Namespace(steps=None, tiny=False, model_cache=tmp_path / "m", work=tmp_path / "w",
+                              out=tmp_path / "out", profile_train=True)
+    cmd = sw.command(run, args)
+    assert cmd[cmd.index("--profile") + 1] == "train"
+
+    def fake_grpo_step(cmd, **kw):  # what grpo_step.py writes into its --out
+        out = Path(cmd[cmd.index("--out") + 1])
+        out.mkdir(parents=True)
+        (out / "results.json").write_text(json.dumps({"env": {}, "results": [{"what": "rlcli", "step_s_median": 3.0}]}))
+        (out / "profiles.txt").write_text("===== train-sglang: wall 1.2s\n")
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_grpo_step)
+    rec = sw.run_one(run, args, time_left=1000)
+    assert "error" not in rec and rec["profile"] == "profile-0.5b-full-rlcli-sglang.txt"
+    assert (args.out / rec["profile"]).read_text().startswith("===== train-sglang")
+    args.profile_train = False
+    assert "--profile" not in sw.command(run, args)
