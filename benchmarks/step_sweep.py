@@ -26,7 +26,7 @@ Runs (``--plan`` lists them with their arguments):
                                  no logprobs (bare vLLM decoded 2.3x faster without them); no mismatch/*
   0.5b-full-rlcli-sglang-idle    the SGLang plugin with engine_kwargs.sleep_on_idle: SGLang's scheduler
                                  process sleeps when idle instead of spinning on a core (training ran
-                                 0.14 s slower beside it than beside the embedded engine)
+                                 0.14 s slower beside it than beside the embedded engine); -nolp-idle: both
 for shapes 0.5b, 1.5b, 3b, 7b and lengths full (256 tokens, EOS ignored) and longtail (EOS on,
 geometric lengths of mean 256 cut at 1024: benchmarks/lengths.py). 7b's rlcli runs add the
 grpo_step.SHAPE_PRESETS overrides (AdamW moments in bfloat16, 32,768-token packs), which win over
@@ -101,6 +101,8 @@ PLUGIN_ROWS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
     "": ("", [], ENGINE_PLUGINS),
     "-nolp": (", no logprobs", NO_LOGPROBS, ENGINE_PLUGINS),
     "-idle": (", sleep_on_idle", ["rollout.engine_kwargs.sleep_on_idle=true"], ("sglang",)),
+    "-nolp-idle": (", no logprobs, sleep_on_idle", NO_LOGPROBS + ["rollout.engine_kwargs.sleep_on_idle=true"],
+                   ("sglang",)),
 }
 CALL_S = 540.0
 

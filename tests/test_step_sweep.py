@@ -77,9 +77,10 @@ def test_calls_keep_to_the_budget():
     assert any(len(c) == 2 and sw.engine_of(c[0]) == "vllm" for c in calls)
     left = {r.id for r in runs} - {r.id for r in sw.cpu_runs(runs)}  # --tiny: no engine plugin on the CPU
     assert left == {f"0.5b-full-rlcli-{e}{w}" for e in sw.ENGINE_PLUGINS for w in ("", "-nolp")} | \
-        {"0.5b-full-rlcli-sglang-idle"}
+        {"0.5b-full-rlcli-sglang-idle", "0.5b-full-rlcli-sglang-nolp-idle"}
     assert [r.id for c in calls for r in c if sw.engine_of(r) == "sglang"] == \
-        ["0.5b-full-rlcli-sglang", "0.5b-full-rlcli-sglang-nolp", "0.5b-full-rlcli-sglang-idle"]
+        ["0.5b-full-rlcli-sglang", "0.5b-full-rlcli-sglang-nolp", "0.5b-full-rlcli-sglang-idle",
+         "0.5b-full-rlcli-sglang-nolp-idle"]
     for call in calls:
         est = sum(sw.estimate_s(r, cold=not any(x.shape == r.shape for x in call[:j])) for j, r in enumerate(call))
         assert est <= 540 or len(call) == 1
