@@ -149,7 +149,8 @@ def markdown(columns: dict[str, dict]) -> str:
     for s in columns.values():
         for k, v in s["classes_ms"].items():
             classes[k] += v
-    head = ["ms per 512-row decode step", *names]
+    rows = {s.get("rows") for s in columns.values()}
+    head = [f"ms per {rows.pop()}-row decode step" if len(rows) == 1 else "ms per decode step", *names]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
 
     def row(label: str, values: list[Any]) -> None:

@@ -99,11 +99,13 @@ def test_table_merges_the_results_of_several_calls(tmp_path, capsys):
     cols = ek.columns_from_results([a, b])
     assert list(cols) == ["sglang 0.5.17 bare", "rlcli 0.1.0 bare"]
     md = ek.markdown(cols)
-    assert md.splitlines()[0] == "| ms per 512-row decode step | sglang 0.5.17 bare | rlcli 0.1.0 bare |"
+    assert md.splitlines()[0] == "| ms per 4-row decode step | sglang 0.5.17 bare | rlcli 0.1.0 bare |"
+    other_rows = ek.markdown({"a": s, "b": {**s, "rows": 8}})  # columns of different batches: no row count
+    assert other_rows.splitlines()[0] == "| ms per decode step | a | b |"
     assert "| GPU busy | 0.100 | 0.050 |" in md
     assert "| GPU time: matmul | 0.040 | 0.040 |" in md
     assert ek.main([str(a), str(b), "--md", str(tmp_path / "t.md")]) == 0
-    assert (tmp_path / "t.md").read_text().startswith("| ms per 512-row decode step |")
+    assert (tmp_path / "t.md").read_text().startswith("| ms per 4-row decode step |")
     assert "`nvjet_sm90_tst_128x64_h_bz_TNT` 0.040 ms" in capsys.readouterr().out
     assert ek.main([str(tmp_path / "missing.json")]) == 2
     assert ek.main(["--trace", str(_trace(tmp_path)), "--tokens", "40", "--rows", "4"]) == 0

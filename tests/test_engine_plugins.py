@@ -476,7 +476,7 @@ def test_benchmark_markdown_reports_what_ran(bench, monkeypatch):
 
 
 def test_benchmark_markdown_states_the_kernel_profile(bench, monkeypatch):
-    summary = {"wall_ms": 3.0, "span_ms": 2.9, "busy_ms": 2.5, "idle_ms": 0.4, "kernels": 310.0,
+    summary = {"rows": 512, "wall_ms": 3.0, "span_ms": 2.9, "busy_ms": 2.5, "idle_ms": 0.4, "kernels": 310.0,
                "classes_ms": {"matmul": 1.2, "attention": 0.6}, "top_kernels": []}
     monkeypatch.setattr(bench.common, "RESULTS", [
         {"what": "kernel_profile", "engine": "sglang", "path": "bare", "summary": summary},
