@@ -629,7 +629,7 @@ def test_sync_replaces_filtered_and_keeps_aborted():
         assert [g.group_id for g in buf.groups("t", Status.COMPLETED)] == [2, 3]
         assert buf.count("t", Status.FILTERED) == 0 and buf.count("t", Status.ABORTED) == 1
         # behaviour 23: raw reward stats include the filtered group (scores 0 and 1)
-        assert task.stats.raw_reward_count == 6 and task.stats.raw_reward_sum == 3.0
+        assert len(task.stats.raw_rewards) == 6 and sum(task.stats.raw_rewards) == 3.0
         assert task.stats.filtered_groups == 1 and task.stats.aborted_groups == 1
         # ours: the next sync window restarts the aborted group from scratch instead of leaking it
         backend.abort_uids = set()

@@ -44,8 +44,9 @@ class ProduceStats:
 
     produced_samples: int = 0  # samples of every group that came back, discarded ones included
     new_tokens: int = 0  # tokens generated in this window (continuations count only their new tokens)
-    raw_reward_sum: float = 0.0  # over judged COMPLETED samples, filtered groups included
-    raw_reward_count: int = 0
+    # over judged COMPLETED samples, filtered groups included; a list, summed exactly (math.fsum) when
+    # read, because groups come back in the order they finish and a float sum depends on that order
+    raw_rewards: list[float] = field(default_factory=list)
     failed_samples: int = 0
     failed_groups: int = 0  # every member FAILED: discarded
     filtered_groups: int = 0
@@ -252,8 +253,7 @@ class ProduceStrategy(Component):
         if status == Status.COMPLETED:
             for s in group.samples:
                 if s.status == Status.COMPLETED and s.reward is not None:
-                    st.raw_reward_sum += s.score
-                    st.raw_reward_count += 1
+                    st.raw_rewards.append(s.score)
             for f in task.filters:
                 if not f.keep(group):
                     for s in group.samples:

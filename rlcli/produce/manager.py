@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -419,7 +420,7 @@ class RolloutManager:
             "reward/std": statistics.pstdev(scores) if scores else 0.0,
             "reward/min": min(scores, default=0.0),
             "reward/max": max(scores, default=0.0),
-            "reward/raw_mean": total.raw_reward_sum / total.raw_reward_count if total.raw_reward_count else 0.0,
+            "reward/raw_mean": math.fsum(total.raw_rewards) / len(total.raw_rewards) if total.raw_rewards else 0.0,
             "response/length_mean": statistics.fmean(lengths) if lengths else 0.0,
             "response/length_max": float(max(lengths, default=0)),
             "response/truncated_frac": (sum(s.finish_reason == "length" for s in samples) / len(samples)) if samples else 0.0,
