@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from rlcli.lockstep import track
+
 log = logging.getLogger(__name__)
 
 BUILTIN_PREFIX = "builtin:"
@@ -207,7 +209,7 @@ class DecodeBatcher:
         if self._background and len(batch) >= self.chunk and self._ensure_background_tok():
             self._pending[loop] = []  # the flush already scheduled takes what comes after
             _decode_pool().submit(self._decode_in_background, loop, batch)
-        return await fut
+        return await track(fut)  # decoded off the loop's thread, or by a flush: a lockstep engine waits for it
 
     def _ensure_background_tok(self) -> bool:
         """Make the background thread's copy of the Rust tokenizer; a tokenizer that cannot be

@@ -115,17 +115,27 @@ def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(repo, tmp_pat
     assert_same_run(uninterrupted["sync"], work, 12)
 
 
+# the async variant in quickstart-multitoken.yaml's header: 50 % over-sampled groups queue behind 256 decode
+# slots and the groups still running at a step's end are paused mid-response and continued later
+MULTI_TOKEN_ASYNC = ["tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5, enable_partial_rollout: true, "
+                     "max_staleness: 1}", "replay_buffer.name=async", "trainer.sync_weights_interval=2",
+                     "rollout.max_batch_size=256"]
+
+
 @pytest.mark.slow
-def test_multi_token_sync_run_resumes_identical(repo, tmp_path):
+@pytest.mark.parametrize("strategy", ["sync", "async"])
+def test_multi_token_run_resumes_identical(repo, tmp_path, strategy):
     """The same with answers of several tokens ending at EOS (quickstart-multitoken: 2-4 digits and
-    EOS), where the engine's batches mix rows of different lengths: sync production is
-    bit-reproducible, so the resumed run ends identical. (Async production is not: docs/async.md,
-    "Reproducibility".)"""
+    EOS), where the engine's batches mix rows of different lengths. Sync production repeats
+    exactly by itself; async production does because the embedded engine steps in lockstep with
+    the event loop (``rollout.lockstep``, on for the async strategy): without it the weight-sync
+    pause lands a timing-dependent number of decode steps late (docs/async.md, "Reproducibility")."""
     def args(work: Path) -> list[str]:
         return [*RLCLI, "train", str(repo / "recipes" / "quickstart-multitoken.yaml"), "--work-dir", str(work),
-                "--quiet", "trainer.total_train_steps=12", "trainer.train_batch_size=32",
+                "--quiet", "trainer.total_train_steps=12", "trainer.train_batch_size=128",
                 "trainer.checkpoint_interval=4", "trainer.checkpoint_maxkeep=-1", "trainer.evaluate_step=4",
-                "trainer.auto_resume=true", "eval.evaluator.sample_num=32", "trainer.log_every=100"]
+                "trainer.auto_resume=true", "eval.evaluator.sample_num=32", "trainer.log_every=100",
+                *(MULTI_TOKEN_ASYNC if strategy == "async" else [])]
 
     full = tmp_path / "full"
     r = run(args(full))
@@ -135,4 +145,7 @@ def test_multi_token_sync_run_resumes_identical(repo, tmp_path):
     r = run(args(work))
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_run(full, work, 12)
-    assert max(m.get("response/length_mean", 0) for m in metrics(work)) > 2  # several tokens, not one
+    rows = metrics(work)
+    assert max(m.get("response/length_mean", 0) for m in rows) > 2  # several tokens, not one
+    if strategy == "async":  # responses were paused mid-way and continued: the case that needs lockstep
+        assert sum(m.get("rollout/partial_resumed_samples", 0) for m in rows) > 0

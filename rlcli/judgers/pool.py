@@ -70,6 +70,7 @@ from rlcli.judgers.calls import _Abort, _clip, _describe_exception, _Outcome, _t
 from rlcli.judgers.calls import warn_bad_result
 from rlcli.judgers.processes import _preload, _ProcessExecutor
 from rlcli.judgers.threads import _ThreadExecutor, _ThreadWorkers
+from rlcli.lockstep import track
 from rlcli.types import Sample, Status
 
 __all__ = ["Executor", "JudgePool", "JudgerNotPicklable", "default_workers", "normalize_reward"]
@@ -218,7 +219,7 @@ class JudgePool(_ThreadExecutor, _ProcessExecutor):
             return
         entry = _Pending(sample)
         start = time.perf_counter()
-        task = asyncio.ensure_future(self._run(sample))
+        task = track(asyncio.ensure_future(self._run(sample)))  # runs off the loop: a lockstep engine waits
         self._pending[task] = entry
         try:
             outcome = await task
@@ -394,7 +395,7 @@ class JudgePool(_ThreadExecutor, _ProcessExecutor):
 
     async def _await_inline(self, result: Any) -> _Outcome:
         """The outcome of an awaitable an inline ``judge`` returned, within ``timeout_s``."""
-        task = asyncio.ensure_future(result)
+        task = track(asyncio.ensure_future(result))  # its I/O is not a ready callback: a lockstep engine waits
         try:
             await asyncio.wait([task], timeout=self.timeout_s)
         finally:

@@ -127,6 +127,11 @@ class ProduceStrategy(Component):
     """Base class of produce strategies."""
 
     Config: ClassVar[type[ProduceStrategyConfig]] = ProduceStrategyConfig
+    #: The window's outcome depends on when the strategy sees each finished group against the
+    #: engine's steps (it ends the window, and so pauses the engine, with groups still in flight):
+    #: a colocated engine that can step in lockstep with the event loop (``rlcli.lockstep``) does
+    #: so, so that runs repeat exactly.
+    lockstep: ClassVar[bool] = False
 
     def __init__(self, config: ProduceStrategyConfig, *, sync_weights_interval: int = 1):
         super().__init__(config)

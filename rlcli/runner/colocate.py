@@ -93,6 +93,9 @@ class ColocateRunner:
         interval = self.cfg.sync_weights_interval
         tasks, pools = build_tasks(env, recipe.tasks, self.backend, salt="train", sync_weights_interval=interval)
         self.manager = RolloutManager(tasks, recipe.replay_buffer.build(), self.backend, pools)
+        use_lockstep = getattr(self.backend, "use_lockstep", None)  # engines that can (the embedded one)
+        if use_lockstep is not None:
+            use_lockstep(any(t.strategy.lockstep for t in tasks))
         self.evaluator = (Evaluator(env, recipe.eval, self.backend, sync_weights_interval=interval)
                           if self.schedule.evaluate else None)
         self.loop = asyncio.new_event_loop()

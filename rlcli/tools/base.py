@@ -35,6 +35,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from rlcli.component import Component, ComponentConfig
+from rlcli.lockstep import track
 
 ToolStatus = Literal["ok", "error", "timeout"]
 
@@ -195,7 +196,7 @@ def _in_daemon_thread(fn, *args) -> asyncio.Future:
             pass
 
     threading.Thread(target=target, name="rlcli-tool", daemon=True).start()
-    return fut
+    return track(fut)  # a lockstep engine waits for the tool's answer
 
 
 async def _await(aw):

@@ -24,6 +24,7 @@ from rlcli.backends.embedded.model import LlamaFamilyModel
 from rlcli.backends.seeds import splitmix64
 from rlcli.backends.embedded.state import Sequence
 from rlcli.component import ComponentConfig
+from rlcli.lockstep import settled
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,16 @@ class EmbeddedBackend(InferenceBackend):
             "learning race).",
         )
 
+        lockstep: bool | None = Field(
+            None,
+            description="Take each engine step only once the rollout's event loop has handled what the last one "
+            "finished (text decoding, judging, the produce strategy's decisions): production then repeats exactly, "
+            "so a resumed run ends identical to one never interrupted, at the cost of the GPU waiting while the "
+            "loop works after each finish. Default (null): on in a colocated run whose produce strategy asks for it "
+            "(async: its weight-sync pause would otherwise land a timing-dependent number of steps late), else off "
+            "(sync production repeats exactly without it).",
+        )
+
     def __init__(self, config: "EmbeddedBackend.Config | None", ctx: BackendContext):
         super().__init__(config, ctx)
         cfg = self.config
@@ -160,6 +171,7 @@ class EmbeddedBackend(InferenceBackend):
         #: at each wake-up is a full zero-fill (5 % of a toy recipe's step)
         self.keeps_cache_asleep = self._device.type == "cpu"
         self._closed = False
+        self._engine.lockstep = bool(cfg.lockstep)  # the runner may turn it on: use_lockstep()
         self._driver: asyncio.Task | None = None
         self._driver_loop: asyncio.AbstractEventLoop | None = None
         # One dedicated worker thread runs every step: torch's intra-op thread pool is per
@@ -241,10 +253,24 @@ class EmbeddedBackend(InferenceBackend):
         except RuntimeError:  # loop closed meanwhile
             pass
 
+    def use_lockstep(self, wanted: bool) -> None:
+        """What the run's produce strategies ask for (``lockstep``), unless the config says."""
+        if self.config.lockstep is None:
+            self._engine.lockstep = bool(wanted)
+
     async def _drive(self) -> None:
-        """Run engine steps in the worker thread while there is work (the event loop stays free)."""
+        """Run engine steps in the worker thread while there is work (the event loop stays free;
+        in ``lockstep``, each run of steps waits until the loop has settled)."""
         loop = asyncio.get_running_loop()
-        while not self._closed and self._engine.has_work() and (not self._asleep or self._paused):
+
+        def more() -> bool:
+            return not self._closed and self._engine.has_work() and (not self._asleep or self._paused)
+
+        while more():
+            if self._engine.lockstep:
+                await settled()
+                if not more():  # the loop paused, slept or closed the backend meanwhile
+                    break
             try:
                 done = await loop.run_in_executor(self._executor, self._locked_steps)
             except Exception as exc:  # never let a failed step strand the callers

@@ -93,6 +93,13 @@ class EmbeddedEngine(Admission, DecodeStep):
         self._captures_read = 0
         self._done: list[tuple[Sequence, GenerateOutput]] = []
         self._in_flight: deque[FinishedRows] = deque()  # finished rows whose outputs are being copied
+        #: Steps in lockstep with the caller's event loop (``rlcli.lockstep``; the backend sets it):
+        #: the requests that arrived since the last step are admitted in an order of their own
+        #: (request id, then seed), not in the order the loop's tasks happened to submit them, and a
+        #: finished row's outputs come out exactly one step after it finished.
+        self.lockstep = False
+        self._step_index = 0
+        self._ordered_waiting = 0  # lockstep: the waiting sequences already put in order
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size,
                                                 prefix=(self._prefix_rows, self._prefix_lens))
@@ -199,6 +206,9 @@ class EmbeddedEngine(Admission, DecodeStep):
         :meth:`abort_all`), with exactly the tokens up to that stop token.
         """
         t0 = time.perf_counter()
+        self._step_index += 1
+        if self.lockstep:
+            self._order_arrivals()
         self.cache.allocate()
         # finished outputs collect here (not in a local) so that fail_all() can still return
         # them if the step raises after some sequences finished
@@ -210,11 +220,21 @@ class EmbeddedEngine(Admission, DecodeStep):
         # outputs copied in earlier steps; all of them once no row runs (nothing left to overlap)
         self._emit_finished(done, wait=not self._active)
         self._done = []
+        self._ordered_waiting = len(self._waiting)
         with self._stats_lock:
             self._stats["generated_tokens"] += generated
             self._stats["steps"] += 1
             self._stats["busy_s"] += time.perf_counter() - t0
         return done
+
+    def _order_arrivals(self) -> None:
+        """Lockstep: put the sequences that arrived since the last step in their own order."""
+        with self._qlock:
+            n = self._ordered_waiting
+            if len(self._waiting) > n + 1:
+                old = [self._waiting[i] for i in range(n)]
+                new = sorted((self._waiting[i] for i in range(n, len(self._waiting))), key=_arrival_order)
+                self._waiting = deque(old + new)
 
     @torch.inference_mode()
     def abort_all(self, reason: str = "abort", error: str | None = None) -> list[tuple[Sequence, GenerateOutput]]:
@@ -227,6 +247,7 @@ class EmbeddedEngine(Admission, DecodeStep):
             done += self._finish(np.arange(self._active), reason=reason, error=error)
         with self._qlock:
             waiting, self._waiting = list(self._waiting), deque()
+            self._ordered_waiting = 0
         self._cancelled.clear()
         done += [(s, GenerateOutput(finish_reason=reason, error=error)) for s in waiting if not s.cancelled]
         return done
@@ -241,6 +262,7 @@ class EmbeddedEngine(Admission, DecodeStep):
         done += [(s, GenerateOutput(finish_reason="error", error=error)) for s in self._rows[: self._active] if s]
         with self._qlock:
             waiting, self._waiting = list(self._waiting), deque()
+            self._ordered_waiting = 0
         done += [(s, GenerateOutput(finish_reason="error", error=error)) for s in waiting]
         for s, _ in done:
             s.row = None
@@ -259,3 +281,8 @@ class EmbeddedEngine(Admission, DecodeStep):
         if rows:
             self._finish(np.array(sorted(set(rows)), dtype=np.int64), reason="abort")
 
+
+def _arrival_order(seq: Sequence) -> tuple:
+    """The order lockstep admits sequences that arrived together in: by request id (the agent
+    loops send the sample's uid), then by sampling seed, then by prompt."""
+    return (repr(seq.request.request_id), seq.key1, seq.key2, seq.prompt)

@@ -28,6 +28,7 @@ class FinishedRows:
     lps: torch.Tensor | None = None
     vers: torch.Tensor | None = None
     ready: Any = None
+    step: int = 0  # the engine step that finished these rows
 
     def outputs(self) -> list[tuple[Sequence, GenerateOutput]]:
         if self.toks is None:
@@ -61,6 +62,8 @@ class Finishing(RowState):
     device: torch.device
     cache: KVCache
     _in_flight: deque[FinishedRows]
+    lockstep: bool
+    _step_index: int
 
     def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list, defer: bool = False) -> None:
         finished = stop | (self._h_gen[rows_np] >= self._h_max_new[rows_np])
@@ -87,6 +90,7 @@ class Finishing(RowState):
                 fin.toks, fin.lps, fin.vers = (None if p is None else p.to("cpu", non_blocking=defer) for p in parts)
                 if defer:
                     fin.ready = self._copy_event()
+                    fin.step = self._step_index
             self._compact(rows_np)
         if fin.ready is None:
             return fin.outputs()
@@ -103,10 +107,12 @@ class Finishing(RowState):
 
     def _emit_finished(self, done: list, wait: bool) -> None:
         """Hand out the finished rows whose copies are complete, in the order they finished;
-        with ``wait``, all of them (waiting for the device)."""
+        with ``wait``, all of them (waiting for the device). In ``lockstep``, those of the earlier
+        steps (waiting for their copies, queued a step ago), so that which step hands out a finish
+        does not depend on the device's timing."""
         while self._in_flight:
             fin = self._in_flight[0]
-            if not wait and not fin.ready.query():
+            if not wait and (fin.step >= self._step_index if self.lockstep else not fin.ready.query()):
                 return
             fin.ready.synchronize()
             self._in_flight.popleft()
