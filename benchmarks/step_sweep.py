@@ -17,6 +17,8 @@ Runs (``--plan`` lists them with their arguments):
   <shape>-<lengths>-trl          TRL GRPOTrainer with transformers generate (0.5b, 1.5b only)
   0.5b-full-rlcli-lora           LoRA r 16, alpha 32 against full fine-tuning (issue 30, acceptance 3)
   0.5b-full-rlcli-kl[-refoffload] the KL penalty, without and with the reference model in CPU memory
+  0.5b-longtail-rlcli-async-free the async row with rollout.lockstep=false: what lockstep (the async
+                                 strategy's default, so that runs repeat exactly) costs on the long tail
   3b-full-rlcli-cpuoffload       fsdp.cpu_offload where it is not needed: its cost against 3b-full-rlcli
   7b-full-rlcli-cpuoffload       7b with fsdp.cpu_offload as well as its preset: the GPU memory it frees, its cost
   0.5b-full-rlcli-<engine>       rlcli with an engine plugin's rollout (vllm, sglang, lmdeploy; the plugin's
@@ -83,7 +85,11 @@ ASYNC = ["rollout.max_batch_size=768", "replay_buffer.name=async", "tasks.0.prod
 # captured 10-22 CUDA graphs in each of steps 2-4 (partial rollouts meet new (rows, keys) shapes),
 # and 0-1 in step 5; a sync row sees its shapes in step 1
 LONGTAIL_STEPS = 8
-EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE)
+EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE[, steps])
+    # the async row without the embedded engine's lockstep (on by default with async since the
+    # thirteenth session: the engine waits for the event loop after each finish): what it costs
+    "0.5b-longtail-rlcli-async-free": ("0.5b", "longtail", "rlcli async, lockstep off",
+                                       ASYNC + ["rollout.lockstep=false"], LONGTAIL_STEPS),
     "0.5b-full-rlcli-lora": ("0.5b", "full", "rlcli LoRA", ["model.lora.r=16", "model.lora.alpha=32"]),
     "0.5b-full-rlcli-kl": ("0.5b", "full", "rlcli KL", ["train_worker.kl.coef=0.001"]),
     "0.5b-full-rlcli-kl-refoffload": ("0.5b", "full", "rlcli KL, ref_offload",
@@ -381,7 +387,8 @@ def ratios(records: list[dict]) -> list[str]:
             if mine and step.get(f"{base}-rlcli-async"):
                 out.append(f"- {base}: async {step[f'{base}-rlcli-async']} s against sync {mine} s: "
                            f"**{mine / step[f'{base}-rlcli-async']:.2f}×**")
-    for a, b in (("0.5b-full-rlcli-kl-refoffload", "0.5b-full-rlcli-kl"), ("0.5b-full-rlcli-kl", "0.5b-full-rlcli"),
+    for a, b in (("0.5b-longtail-rlcli-async", "0.5b-longtail-rlcli-async-free"),
+                 ("0.5b-full-rlcli-kl-refoffload", "0.5b-full-rlcli-kl"), ("0.5b-full-rlcli-kl", "0.5b-full-rlcli"),
                  ("3b-full-rlcli-cpuoffload", "3b-full-rlcli"), ("7b-full-rlcli-cpuoffload", "7b-full-rlcli"),
                  ("0.5b-full-rlcli-lora", "0.5b-full-rlcli")):
         if step.get(a) and step.get(b):

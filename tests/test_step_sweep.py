@@ -38,6 +38,8 @@ def test_plan_covers_every_shape_and_length():
     assert "train_worker.pack_max_length=65536" in by["3b-full-rlcli"].args
     assert "model.lora.r=16" in by["0.5b-full-rlcli-lora"].args
     assert "train_worker.kl.ref_offload=true" in by["0.5b-full-rlcli-kl-refoffload"].args
+    free = by["0.5b-longtail-rlcli-async-free"]  # the async row without the engine's lockstep
+    assert free.extra == sw.ASYNC + ["rollout.lockstep=false"] and free.steps == sw.LONGTAIL_STEPS
     assert [r.id for r in sw.select(runs, "7b-*-trl-vllm")] == ["7b-full-trl-vllm", "7b-longtail-trl-vllm"]
     for engine in sw.ENGINE_PLUGINS:  # the plugin's rollout, everything else as the embedded row
         row = by[f"0.5b-full-rlcli-{engine}"]
