@@ -128,3 +128,31 @@ def test_backend_takes_lockstep_from_the_run_unless_its_config_says(tmp_path):
             assert be.engine.lockstep is expected, (configured, wanted)
         finally:
             be.shutdown()
+
+
+def test_the_colocated_runner_turns_lockstep_on_for_the_async_strategy_only(repo, tmp_path):
+    import yaml
+
+    from rlcli.config import validate_recipe
+    from rlcli.runner.colocate import ColocateRunner
+
+    def engine_lockstep(strategy: str, *overrides: str) -> bool:
+        raw = yaml.safe_load((repo / "recipes" / "quickstart.yaml").read_text())
+        raw["trainer"].update(total_train_steps=1, enable_evaluate=False, checkpoint_interval=-1, auto_resume=False,
+                              train_batch_size=4, work_dir=str(tmp_path / strategy / "-".join(overrides or ["w"])))
+        raw["tasks"][0]["produce_strategy"] = {"name": strategy}
+        if strategy == "async":
+            raw["replay_buffer"] = {"name": "async"}
+        for kv in overrides:
+            key, value = kv.split("=")
+            raw["rollout"][key] = yaml.safe_load(value)
+        runner = ColocateRunner(validate_recipe(raw, base_dir=repo / "recipes"), quiet=True)
+        try:
+            return runner.backend.engine.lockstep
+        finally:
+            runner.close()
+
+    assert engine_lockstep("async") is True
+    assert engine_lockstep("sync") is False
+    assert engine_lockstep("async", "lockstep=false") is False  # the recipe's word wins
+    assert engine_lockstep("sync", "lockstep=true") is True
