@@ -208,8 +208,10 @@ class DecodeBatcher:
         batch.append((ids, bool(skip_special_tokens), fut))
         if self._background and len(batch) >= self.chunk and self._ensure_background_tok():
             self._pending[loop] = []  # the flush already scheduled takes what comes after
+            for _, _, waiting in batch:  # decoded off the loop's thread: a lockstep engine waits for them
+                track(waiting)  # (a flush on the loop's thread is a ready callback, which it waits for anyway)
             _decode_pool().submit(self._decode_in_background, loop, batch)
-        return await track(fut)  # decoded off the loop's thread, or by a flush: a lockstep engine waits for it
+        return await fut
 
     def _ensure_background_tok(self) -> bool:
         """Make the background thread's copy of the Rust tokenizer; a tokenizer that cannot be

@@ -74,6 +74,38 @@ def test_settled_does_not_wait_for_timers():
     asyncio.run(main())
 
 
+def test_settled_waits_for_text_decoded_in_the_background(monkeypatch):
+    """The decode batcher's background chunks are tracked; what it decodes on the loop's thread is a
+    ready callback. Either way a settled loop has every text."""
+    import rlcli.tokenizer as T
+
+    tok = T.builtin_tokenizer("arith")
+    real = T.DecodeBatcher._decode_in_background
+
+    def slow(self, loop, batch):
+        time.sleep(0.05)  # the background thread is slower than the loop
+        real(self, loop, batch)
+
+    monkeypatch.setattr(T.DecodeBatcher, "_decode_in_background", slow)
+    batcher = T.DecodeBatcher(tok, chunk=4)
+    seqs = [tok.encode(f"{i}*{i}={i * i}") for i in range(10)]  # two chunks in the background, two on the loop
+
+    async def main():
+        texts = {}
+
+        async def one(i):
+            texts[i] = await batcher.decode(seqs[i])
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(10)]
+        await asyncio.sleep(0)  # the tasks queue their ids
+        await settled()
+        done = sorted(texts)
+        await asyncio.gather(*tasks)
+        return done
+
+    assert asyncio.run(main()) == list(range(10))
+
+
 def _engine(tmp_path):
     from rlcli.backends.embedded.engine import EmbeddedEngine
     from rlcli.backends.embedded.model import LlamaFamilyModel
