@@ -57,7 +57,7 @@ def markdown(engine: str, env: dict) -> str:
         lines += [f"Via rlcli with `batch_requests: true`: {thr['batched_tok_s']:,} tok/s, "
                   f"{thr['batched_ratio']:.2f} of bare (per-round median {thr['batched_ratio_paired_median']:.2f}).",
                   ""]
-    kernels = {f"{r['path']}": r["summary"] for r in by.get("kernel_profile", []) if "summary" in r}
+    kernels = {r["path"]: r["summary"] for r in by.get("kernel_profile", []) if "summary" in r}
     if kernels:
         from engine_kernels import markdown as kernel_table
 
