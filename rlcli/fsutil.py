@@ -1,5 +1,6 @@
-"""Atomic writes: a JSONL file through ``<name>.tmp``; a directory built in ``<dest>.tmp``, then swapped in
-(and the recovery of what a process killed in the middle left behind).
+"""Atomic writes: a file through a temporary file of its own beside it (``.<name>.<random>.tmp``,
+created new, so never a file or link that was already there); a directory built in ``<dest>.tmp``,
+then swapped in (and the recovery of what a process killed in the middle left behind).
 
 A write that fails (a full disk, a read-only directory) raises :class:`WriteError`, whose message
 names the path and the cause.
@@ -13,8 +14,24 @@ import json
 import os
 import re
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+
+def _read_umask() -> int:
+    """The process's umask (what a plain open() takes off a new file's mode), read without changing
+    it where Linux shows it; elsewhere set and restored once, at import."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+_UMASK = _read_umask()
 
 _HINTS = {
     errno.ENOSPC: "free space on that disk, or write somewhere else (--work-dir, --out-dir), and run again",
@@ -61,17 +78,42 @@ def write_failure(path: str | Path, exc: BaseException, causes: Iterable[BaseExc
     return WriteError(path, cause)
 
 
-def write_text(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` (parents created) through ``<name>.tmp`` and a rename."""
+def new_tmp(path: str | Path) -> Path:
+    """Create (exclusively: no existing file or link is opened) an empty temporary file for ``path``
+    in its directory, ``.<name>.<random>.tmp``, with the mode a new file would get."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def replace_via_tmp(path: str | Path, write: Callable[[Path], object]) -> Path:
+    """Have ``write(tmp)`` fill a fresh temporary file (:func:`new_tmp`), then rename it over ``path``;
+    on any failure the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    tmp = None
+    try:
+        tmp = new_tmp(path)
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` (parents created) through a temporary file and a rename."""
+    path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        replace_via_tmp(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
         raise WriteError(path, exc) from None
     return path
 

@@ -104,6 +104,43 @@ def test_checkpoint_layout_and_latest(model_dir, tmp_path):
     removed = ckpt.prune(tmp_path, 2)
     assert removed == [ckpt.step_dir(tmp_path, 1)]
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2, 3]
+    elsewhere = tmp_path.parent / (tmp_path.name + "-kept")
+    shutil.copytree(ckpt.step_dir(tmp_path, 2), elsewhere)
+    (tmp_path / "step-0").symlink_to(elsewhere)  # a link rlcli did not make: never pruned, nor its target
+    assert ckpt.prune(tmp_path, 1) == [ckpt.step_dir(tmp_path, 2)]
+    assert (tmp_path / "step-0").is_symlink() and ckpt.is_complete(elsewhere)
+
+
+def test_prune_takes_the_complete_marker_first(model_dir, tmp_path, monkeypatch):
+    """A process killed while pruning never leaves a partial checkpoint that looks complete."""
+    w = make_worker(model_dir)
+    for step in (1, 2):
+        w.save_checkpoint(ckpt.step_dir(tmp_path, step), {"step": step})
+
+    def killed(path, *a, **k):
+        raise KeyboardInterrupt  # the process dies before it deletes anything of the directory
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.prune(tmp_path, 1)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+
+
+def test_a_resumed_run_follows_the_recipes_lr_schedule(model_dir, tmp_path):
+    """The schedule is the recipe's: unchanged, the LRs match the uninterrupted run's bit for bit;
+    changed (here cosine to constant), the resumed run follows the new one from the saved step."""
+    a = make_worker(model_dir)
+    run(a, [1, 2])
+    path = a.save_checkpoint(ckpt.step_dir(tmp_path, 2), {"step": 2})
+    same = make_worker(model_dir)
+    same.load_checkpoint(path)
+    assert [g["lr"] for g in same.optimizer.param_groups] == [g["lr"] for g in a.optimizer.param_groups]
+    assert same.scheduler.get_last_lr() == a.scheduler.get_last_lr()
+    changed = make_worker(model_dir, lr_scheduler={"name": "constant"})
+    changed.load_checkpoint(path)
+    assert changed.scheduler.last_epoch == a.scheduler.last_epoch
+    assert [g["lr"] for g in changed.optimizer.param_groups] == [5e-3] * len(a.optimizer.param_groups)
+    assert changed.scheduler.lr_lambdas[0].name == "constant"
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(model_dir, tmp_path, monkeypatch):
@@ -295,14 +332,22 @@ def test_a_swallowed_write_error_on_a_full_disk_is_reported_as_one(model_dir, tm
         w.save_checkpoint(ckpt.step_dir(tmp_path, 1), {"step": 1})
 
 
-def test_full_disk_during_an_eval_write(tmp_path):
+def test_full_disk_during_an_eval_write(tmp_path, monkeypatch):
     """The eval files (and every JSONL rlcli writes) name the path; the previous file stays."""
+    from rlcli import fsutil
+
     out = tmp_path / "eval" / "step-4.jsonl"
     write_jsonl(out, [{"a": 1}])
-    (tmp_path / "eval" / "step-4.jsonl.tmp").symlink_to("/dev/full")
+    full = tmp_path / "eval" / ".step-4.jsonl.full.tmp"
+
+    def full_disk_tmp(path):  # the temporary file on a full device
+        full.symlink_to("/dev/full")
+        return full
+
+    monkeypatch.setattr(fsutil, "new_tmp", full_disk_tmp)
     with pytest.raises(WriteError, match=f"cannot write {out}: No space left on device; free space"):
         write_jsonl(out, [{"a": 2}])
-    assert out.read_text() == '{"a": 1}\n' and not (tmp_path / "eval" / "step-4.jsonl.tmp").exists()
+    assert out.read_text() == '{"a": 1}\n' and not full.is_symlink()
 
 
 FIXTURE = Path(__file__).resolve().parent / "data" / "ckpt-v0" / "colocate"
@@ -331,17 +376,27 @@ def test_the_cli_refuses_a_checkpoint_that_runs_code(tmp_path, command):
     assert "Traceback" not in r.stderr and not marker.exists()
 
 
-def test_rlcli_eval_on_a_full_disk_says_so(tmp_path):
+def test_rlcli_eval_on_a_full_disk_says_so(tmp_path, monkeypatch):
     """A real ENOSPC (``/dev/full``) while ``rlcli eval`` writes its metrics: exit 2, the path, no traceback."""
     from click.testing import CliRunner
 
+    from rlcli import fsutil
     from rlcli.cli import cli
 
     shutil.copy(FIXTURE / "recipe.yaml", tmp_path / "recipe.yaml")
     shutil.copy(FIXTURE.parent / "arith.jsonl", tmp_path / "arith.jsonl")
     out = tmp_path / "out"
     out.mkdir()
-    (out / "eval_metrics.json.tmp").symlink_to("/dev/full")
+    real_tmp = fsutil.new_tmp
+
+    def full_disk_tmp(path):  # the metrics' temporary file on a full device
+        if Path(path).name != "eval_metrics.json":
+            return real_tmp(path)
+        full = out / ".eval_metrics.json.full.tmp"
+        full.symlink_to("/dev/full")
+        return full
+
+    monkeypatch.setattr(fsutil, "new_tmp", full_disk_tmp)
     state = ckpt.capture_rng_state()  # the command seeds the process: give the test process its own back
     try:
         r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--out-dir", str(out)])

@@ -263,3 +263,68 @@ def test_plan_reads_only(tmp_path):
     before = snapshot(work)
     assert plan_work_dir(work, auto_resume=True, overwrite=False).clear == ["eval", "hf", "metrics.jsonl"]
     assert snapshot(work) == before
+
+
+# ------------------------------------------------------------------ names that look like rlcli's
+def test_a_users_renamed_copies_of_rlcli_outputs_are_the_users(tmp_path):
+    """Only the temporary names rlcli itself writes are its leftovers: a user who moved ``hf`` to
+    ``hf.old`` keeps it through a fresh start, which clears rlcli's own leftovers only."""
+    work = tmp_path / "w"
+    fake_run(work)
+    os.replace(work / "hf", work / "hf.old")
+    os.replace(work / "metrics.jsonl", work / "metrics.jsonl.old")
+    (work / "checkpoints.tmp").mkdir()
+    (work / ".metrics.jsonl.x1y2.tmp").write_text("a killed write")  # rlcli's (fsutil.write_text)
+    (work / "model-init.old").mkdir()  # rlcli's (publish_dir)
+    users = {k: v for k, v in snapshot(work).items()
+             if k.startswith(("hf.old", "metrics.jsonl.old", "checkpoints.tmp"))}
+    assert prepare_work_dir(work, auto_resume=True, overwrite=False) is None
+    assert {k: v for k, v in snapshot(work).items() if k in users} == users
+    assert not (work / ".metrics.jsonl.x1y2.tmp").exists() and not (work / "model-init.old").exists()
+
+
+def test_overwrite_removes_an_eval_link_not_what_it_points_at(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "step-100.jsonl").write_text("someone else's\n")
+    work = tmp_path / "w"
+    fake_run(work)
+    os.replace(work / "eval", tmp_path / "old-eval")
+    (work / "eval").symlink_to(shared)
+    prepare_work_dir(work, auto_resume=False, overwrite=True)
+    assert (shared / "step-100.jsonl").read_text() == "someone else's\n"
+    assert not (work / "eval").exists() and not (work / "eval").is_symlink()
+
+
+def test_atomic_writes_never_write_through_a_planted_link(tmp_path):
+    from rlcli.fsutil import write_text
+
+    precious = tmp_path / "precious.txt"
+    precious.write_text("mine")
+    work = tmp_path / "w"
+    work.mkdir()
+    for name in (MANIFEST + ".tmp", "metrics.jsonl.tmp", ".metrics.jsonl.tmp"):
+        (work / name).symlink_to(precious)
+    wd._write_manifest(work, None)
+    write_text(work / "metrics.jsonl", "{}\n")
+    assert precious.read_text() == "mine"
+    assert not (work / MANIFEST).is_symlink() and json.loads((work / MANIFEST).read_text())["format"] == 1
+    assert oct((work / "metrics.jsonl").stat().st_mode & 0o777) == oct(0o666 & ~wd_umask())
+
+
+def wd_umask() -> int:
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def test_report_never_replaces_a_report_html_rlcli_did_not_write(repo, tmp_path):
+    work = tmp_path / "w"
+    assert train(repo, work).exit_code == 0
+    (work / "report.html").write_text("my notes")
+    res = CliRunner().invoke(cli, ["report", str(work)])
+    assert res.exit_code == 2 and "was not written by rlcli report" in res.output and "--out" in res.output
+    assert (work / "report.html").read_text() == "my notes"
+    (work / "report.html").unlink()
+    assert CliRunner().invoke(cli, ["report", str(work)]).exit_code == 0
+    assert CliRunner().invoke(cli, ["report", str(work)]).exit_code == 0  # its own page: replaced

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from rlcli.data.base import DataError
+from rlcli.fsutil import replace_via_tmp
 from rlcli.data.rows import (
     DEFAULT_MAX_ROW_BYTES, Record, SkippedRow, bad_record, decode_records, jsonl_records, parse_row,
 )
@@ -134,15 +134,6 @@ def _convertible(records: Iterable[Record], where: str) -> tuple[list[dict], lis
     return rows, skipped
 
 
-def _replace(tmp: Path, dst: Path, write) -> None:
-    try:
-        write(tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def jsonl_to_parquet(src: str | Path, dst: str | Path) -> tuple[int, list[SkippedRow]]:
     """Write the usable rows of a JSONL file as a verl-format parquet file; (rows written, rows left out)."""
     pa = optional("pyarrow", "writing parquet")
@@ -159,7 +150,7 @@ def jsonl_to_parquet(src: str | Path, dst: str | Path) -> tuple[int, list[Skippe
         raise DataError(f"{src}: the rows cannot form one table (a field has different types in different "
                         f"rows?): {exc}") from None
     dst = Path(dst)
-    _replace(dst.with_name(dst.name + ".tmp"), dst, lambda tmp: pq.write_table(table, str(tmp)))
+    replace_via_tmp(dst, lambda tmp: pq.write_table(table, str(tmp)))
     return len(rows), skipped
 
 
@@ -172,5 +163,5 @@ def parquet_to_jsonl(src: str | Path, dst: str | Path) -> tuple[int, list[Skippe
         with open(tmp, "w", encoding="utf-8") as out:
             out.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
 
-    _replace(dst.with_name(dst.name + ".tmp"), dst, write)
+    replace_via_tmp(dst, write)
     return len(rows), skipped

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
-import os
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from rlcli.fsutil import write_text
 from rlcli.report.markup import Section, esc, missing
-from rlcli.report.rundata import Run, load_runs
+from rlcli.report.rundata import ReportError, Run, load_runs
 from rlcli.report.samples import section_config, section_samples
 from rlcli.report.sections import (
     section_health,
@@ -101,6 +101,20 @@ def _safe(build: Callable[[Sequence[Run]], Section], runs: Sequence[Run]) -> Sec
         return Section(name, name.capitalize(), missing(f"This section could not be built: {tb}"))
 
 
+GENERATOR = "<meta name='generator' content='rlcli report'>"
+_OLD_MARK = "</div></header>"  # with "by rlcli": the header of a report from before GENERATOR
+
+
+def written_by_rlcli(path: Path) -> bool:
+    """Whether the file at ``path`` is a page ``rlcli report`` wrote (so it may replace it)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return GENERATOR in head or ("<title>rlcli report: " in head and " by rlcli " in head and _OLD_MARK in head)
+
+
 def render_report(runs: Sequence[Run]) -> str:
     """The whole page as a string."""
     sections = [_safe(b, runs) for b in SECTIONS]
@@ -112,7 +126,7 @@ def render_report(runs: Sequence[Run]) -> str:
     from rlcli import __version__
 
     return (
-        "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"
+        f"<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>{GENERATOR}"
         "<meta name='viewport' content='width=device-width, initial-scale=1'>"
         f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>"
         f"<header><h1>{esc(title)}</h1><div class='meta'>generated {esc(when)} by rlcli {esc(__version__)} · "
@@ -124,15 +138,19 @@ def render_report(runs: Sequence[Run]) -> str:
 def write_report(work_dirs: list[Path], out: Path | None = None) -> Path:
     """Render the report of ``work_dirs`` (overlaid when several) to ``out`` (default: first dir's report.html).
 
-    Raises :class:`rlcli.report.ReportError` when a path is not a run's work dir at all.
+    Raises :class:`rlcli.report.ReportError` when a path is not a run's work dir at all, or when the
+    default page's place holds a file or link that ``rlcli report`` did not write (rlcli never replaces
+    files it did not write; ``out`` is the user's explicit choice).
     """
     t0 = time.perf_counter()
     runs = load_runs([Path(w) for w in work_dirs])
     page = render_report(runs)
-    out = Path(out) if out is not None else Path(work_dirs[0]) / "report.html"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out)  # a browser reloading the page never sees half a file
+    if out is None:
+        out = Path(work_dirs[0]) / "report.html"
+        if out.is_symlink() or (out.exists() and not written_by_rlcli(out)):
+            raise ReportError(f"{out} exists and was not written by rlcli report; rlcli does not replace it: "
+                              f"move it, or pass --out FILE to write the page elsewhere")
+    out = Path(out)
+    write_text(out, page)  # a browser reloading the page never sees half a file
     log.info("report %s written in %.2fs", out, time.perf_counter() - t0)
     return out

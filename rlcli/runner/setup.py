@@ -19,6 +19,7 @@ from rlcli.config import Recipe, TaskConfig, check_prompt_lengths, model_context
 from rlcli.data.base import DataError
 from rlcli.data.sampler import RECIPE_DIR
 from rlcli.dist import barrier, init_distributed, is_main, local_device
+from rlcli.fsutil import write_text
 from rlcli.models import prepare_model_dir, resolve_device, resolve_dtype, tokenizer_source
 from rlcli.plugins import get_registry
 from rlcli.produce import Task
@@ -219,7 +220,7 @@ def write_resolved(recipe: Recipe, work_dir: Path) -> None:
     data = {"recipe": resolved_dict(recipe), "plugins": used,
             "versions": {"torch": str(torch.__version__), "transformers": str(__import__("transformers").__version__)}}
     work_dir.mkdir(parents=True, exist_ok=True)
-    (work_dir / RESOLVED).write_text(yaml.safe_dump(data, sort_keys=False))
+    write_text(work_dir / RESOLVED, yaml.safe_dump(data, sort_keys=False))
 
 
 def freeze_heap() -> None:

@@ -33,7 +33,12 @@ from rlcli import __version__
 MANIFEST = "rlcli-manifest.json"
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
                "resolved.yaml", "run.log", "trained_groups.jsonl", "skipped_rows.jsonl", "trackers")
-_LEFTOVER = (".tmp", ".old")  # an atomic write's temporary names (fsutil)
+# The files among RUN_OUTPUTS that rlcli writes whole through a temporary file (fsutil.write_text:
+# ``.<name>.<random>.tmp``; an older rlcli used ``<name>.tmp``), and the directory it swaps in
+# (fsutil.publish_dir: ``model-init.tmp``, ``model-init.old``). Only these leftover names are rlcli's:
+# a user's ``hf.old`` or ``metrics.jsonl.bak`` is the user's.
+_TMP_WRITTEN = ("metrics.jsonl", "resolved.yaml", "trained_groups.jsonl", "skipped_rows.jsonl", MANIFEST)
+_SWAPPED_IN = ("model-init",)
 _FIX = "set --work-dir (or trainer.work_dir) to another directory"
 
 
@@ -164,8 +169,19 @@ def _check_owner(work_dir: Path, overwrite: bool) -> dict | None:
 
 
 def _owned(name: str, owned) -> bool:
-    base = name[:-4] if name.endswith(_LEFTOVER) else name
-    return base in owned
+    """Whether ``name`` is one of the ``owned`` names, or a leftover of rlcli's writing one of them."""
+    if name in owned:
+        return True
+    if name.startswith(".") and name.endswith(".tmp"):  # .<name>.<random>.tmp
+        base = name[1:-4].rpartition(".")[0]
+        return base in owned and base in _TMP_WRITTEN
+    if name.endswith(".tmp"):
+        base = name[:-4]
+        return base in owned and (base in _TMP_WRITTEN or base in _SWAPPED_IN)
+    if name.endswith(".old"):
+        base = name[:-4]
+        return base in owned and base in _SWAPPED_IN
+    return False
 
 
 def _entries(work_dir: Path) -> list[str]:
@@ -207,15 +223,14 @@ def _written_by_old_rlcli(work_dir: Path) -> bool:
 
 def _write_manifest(work_dir: Path, finished: dict | None) -> None:
     """Write the manifest atomically; creating it is also the proof that the directory is writable."""
+    from rlcli.fsutil import WriteError, write_text
+
     data = {"format": 1, "written_by": f"rlcli {__version__}", "owned": list(RUN_OUTPUTS), "finished": finished}
-    tmp = work_dir / (MANIFEST + ".tmp")
     try:
-        work_dir.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, work_dir / MANIFEST)
-    except OSError as exc:
-        raise WorkDirError(f"cannot write into work dir {work_dir}: {exc.strerror or exc}; make it writable "
-                           f"or {_FIX}") from exc
+        write_text(work_dir / MANIFEST, json.dumps(data, indent=2) + "\n")
+    except WriteError as exc:
+        raise WorkDirError(f"cannot write into work dir {work_dir}: {exc.cause.strerror or exc.cause}; make it "
+                           f"writable or {_FIX}") from exc
 
 
 def _last_row(work_dir: Path) -> dict:
@@ -246,7 +261,7 @@ def _results(work_dir: Path) -> list[str]:
 def _remove_output(path: Path) -> None:
     """Remove one of rlcli's outputs; under ``eval/`` only the training evals (``step-N.jsonl``):
     the ``eval/<name>/`` results of ``rlcli eval`` are kept."""
-    if path.name == "eval" and path.is_dir():
+    if path.name == "eval" and path.is_dir() and not path.is_symlink():
         for p in path.glob("step-*.jsonl*"):
             p.unlink()
         if not any(path.iterdir()):

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, ClassVar
 
 from rlcli import hookimpl
 from rlcli.component import Component, ComponentConfig
+from rlcli.fsutil import write_text
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,7 @@ class JsonlTracker(Tracker):
                         kept.append(line)
                 except json.JSONDecodeError:
                     continue  # a torn last line from a killed process
-            tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-            os.replace(tmp, self.path)
+            write_text(self.path, "".join(x + "\n" for x in kept))
         self._f = self.path.open("a", encoding="utf-8")
 
     def close(self) -> None:

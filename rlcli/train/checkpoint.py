@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import re
 import shutil
@@ -88,12 +87,15 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def prune(root: str | Path, maxkeep: int | None) -> list[Path]:
-    """Delete all but the newest ``maxkeep`` complete checkpoints (None, -1 or 0: keep all); rank 0 only."""
+    """Delete all but the newest ``maxkeep`` complete checkpoints (None, -1 or 0: keep all); rank 0 only.
+    The ``COMPLETE`` marker goes first, so a process killed mid-way never leaves a partial checkpoint
+    that looks complete; a ``step-N`` that is a link is left alone (rlcli did not make it)."""
     if maxkeep is None or maxkeep <= 0 or not is_main():
         return []
-    ckpts = list_checkpoints(root)
+    ckpts = [(s, p) for s, p in list_checkpoints(root) if not p.is_symlink()]
     doomed = [p for _, p in ckpts[: max(0, len(ckpts) - maxkeep)]]
     for p in doomed:
+        (p / COMPLETE).unlink(missing_ok=True)
         shutil.rmtree(p, ignore_errors=True)
     return doomed
 
@@ -101,6 +103,21 @@ def prune(root: str | Path, maxkeep: int | None) -> list[Path]:
 def clean_incomplete(root: str | Path) -> list[Path]:
     """Remove leftovers of interrupted saves (``*.tmp``); restore a ``step-N.old`` whose ``step-N`` is gone."""
     return clean_interrupted(root, is_complete) if is_main() else []
+
+
+def _restore_schedule(scheduler, optimizer, state: dict) -> None:
+    """Continue the LR schedule at the saved step. The schedule's shape is the recipe's (a resumed run
+    whose recipe changed ``lr_scheduler`` or the step count follows the new one), not the one pickled
+    into the checkpoint; with an unchanged recipe both give the same learning rates, bit for bit."""
+    state = dict(state)
+    state["lr_lambdas"] = [None] * len(scheduler.lr_lambdas)  # keep the recipe's schedule objects
+    state.pop("base_lrs", None)  # and the recipe's peak learning rates
+    scheduler.load_state_dict(state)
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    scheduler._last_lr = lrs
+    if optimizer is not None:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
 
 
 # ------------------------------------------------------------------------------------ RNG
@@ -273,11 +290,7 @@ def load_checkpoint(
         rank_file = path / "rank-0.pt"
     rank_state = load_pt(rank_file, legacy_rng=True)
     if scheduler is not None and rank_state.get("scheduler") is not None:
-        scheduler.load_state_dict(rank_state["scheduler"])
-        if optimizer is not None and not with_optim:
-            # A fresh optimizer starts at the base LR; continue the schedule where it was.
-            for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = lr
+        _restore_schedule(scheduler, optimizer, rank_state["scheduler"])
     if restore_rng:
         restore_rng_state(rank_state["rng"])
     return load_pt(path / "extra_state.pt")

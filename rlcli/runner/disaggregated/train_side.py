@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +14,7 @@ from typing import Any
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from rlcli.fsutil import write_jsonl
+from rlcli.fsutil import write_jsonl, write_text
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.disaggregated.checkpoint import _check_extra, _save_collective
 from rlcli.runner.disaggregated.protocol import (
@@ -63,9 +62,7 @@ def _truncate_ledger(path: Path, step: int) -> None:
                 kept.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a torn last line from a killed process
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(x + "\n" for x in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text(path, "".join(x + "\n" for x in kept))
 
 
 
