@@ -14,6 +14,9 @@ Three user errors, each its own text (:class:`ModelLocationError`, ``kind``):
                 the message gives the command that fetches it
 ``not_model``   a directory or snapshot that is not a model (no ``config.json``) or, for
                 ``model.tokenizer``, holds no tokenizer files
+``remote_code`` a directory whose configs name Python code to import (``auto_map`` entries
+                ``module.Class``, transformers' "remote code"): rlcli never runs code from a
+                model directory, so it refuses the directory before anything loads it
 
 plus ``hub`` for what the Hub itself answers (no such repository, gated, no such revision).
 ``validate`` checks without downloading weights: a cached snapshot is read as is; online, an
@@ -25,6 +28,7 @@ A snapshot already in the cache is used as it is, without asking the Hub for a n
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 from pathlib import Path
@@ -32,7 +36,9 @@ from typing import Literal
 
 Need = Literal["model", "tokenizer"]
 # Files a model download leaves out: other frameworks' and other runtimes' copies of the weights.
-_IGNORE = ["*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "onnx/*"]
+# And Python files: rlcli never runs a model's own code (remote code), so it does not fetch it.
+_IGNORE = ["*.gguf", "*.onnx", "*.h5", "*.msgpack", "*.ot", "*.tflite", "original/*", "onnx/*", "*.py"]
+_CODE_CONFIGS = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 _TOKENIZER_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 _TOKENIZER_MARKERS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 _WEIGHTS = ("*.safetensors", "*.bin", "*.pt", "*.pth")
@@ -81,8 +87,37 @@ def fetch_hint(repo_id: str) -> str:
             f"download {repo_id}`) into the same cache, or unset HF_HUB_OFFLINE to let rlcli download it")
 
 
+def remote_code(path: str | Path) -> list[str]:
+    """The ``auto_map`` entries of ``path``'s config files that name Python code (``module.Class``,
+    which transformers imports from the directory with ``trust_remote_code``), as ``file: key = value``.
+    A bare class name (``PreTrainedTokenizerFast``) names one of transformers' own classes: not code."""
+    found = []
+    for name in _CODE_CONFIGS:
+        try:
+            data = json.loads((Path(path) / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        amap = data.get("auto_map") if isinstance(data, dict) else None
+        items = amap.items() if isinstance(amap, dict) else [("", amap)]
+        for key, value in items:
+            for v in value if isinstance(value, list) else [value]:
+                if v is not None and (not isinstance(v, str) or "." in v):  # anything but a bare class name
+                    found.append(f"{name}: auto_map{'.' + key if key else ''} = {v}")
+    return found
+
+
+def check_no_remote_code(path: Path, where: str, field: str) -> None:
+    """Raise :class:`ModelLocationError` (``remote_code``) when ``path`` asks for code of its own to run."""
+    code = remote_code(path)
+    if code:
+        raise ModelLocationError(field, "remote_code", f"{where} names Python code to run ({'; '.join(code[:3])}); "
+                                 "rlcli never runs code from a model directory: use a model whose architecture "
+                                 "transformers ships, or remove auto_map from its configs")
+
+
 def _check_dir(path: Path, spec: str, field: str, need: Need) -> Path:
     where = f"{spec} ({path})" if str(path) != spec else spec
+    check_no_remote_code(path, where, field)
     if need == "model" and not (path / "config.json").is_file():
         raise ModelLocationError(field, "not_model", f"{where} is not a Hugging Face model: no config.json in it "
                                  "(point it at the directory that holds config.json and the weights)")

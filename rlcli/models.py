@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from rlcli.fsutil import publish_dir
-from rlcli.hub import locate
+from rlcli.hub import check_no_remote_code, locate
 from rlcli.tokenizer import BUILTIN_PREFIX, load_tokenizer, save_tokenizer
 
 _ARCH_CONFIGS = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}
@@ -69,6 +69,7 @@ def prepare_model_dir(model_cfg, work_dir: str | Path, seed: int) -> Path:
         return locate(model_cfg.path, field="model.path", need="model")
     out = Path(work_dir) / "model-init"
     if (out / "config.json").exists():
+        check_no_remote_code(out, str(out), "model.from_scratch")  # rlcli wrote it; refuse one edited since
         return out
     tok = load_tokenizer(model_cfg.tokenizer)
     if str(model_cfg.tokenizer).startswith(BUILTIN_PREFIX):

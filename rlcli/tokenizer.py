@@ -96,9 +96,9 @@ def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
     if tcfg.get("rlcli_builtin") or tcfg.get("tokenizer_class") == "PreTrainedTokenizerFast":
         # AutoTokenizer may rebuild the pre-tokenizer for some model types (e.g. qwen2 in
         # transformers 5); a tokenizer that declares itself a plain fast tokenizer is loaded as is.
-        tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        tok = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     else:
-        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
     if tok.pad_token_id is None and tok.eos_token_id is not None:
         tok.pad_token = tok.eos_token
     return tok

@@ -118,3 +118,40 @@ def test_load_tokenizer_takes_a_hub_id(offline, tiny_llama):
     assert load_tokenizer("org/tiny").get_vocab() == load_tokenizer(tiny_llama).get_vocab()
     with pytest.raises(ModelLocationError, match="tokenizer: org/absent is not in the Hugging Face cache"):
         load_tokenizer("org/absent")
+
+
+def test_a_model_dir_that_names_its_own_code_is_refused_before_anything_loads(repo, tiny_llama, tmp_path):
+    """transformers imports ``module.Class`` entries of ``auto_map`` with trust_remote_code (which an
+    engine such as LMDeploy passes itself): rlcli refuses such a directory, with the entry named;
+    ``rlcli validate`` and ``rlcli train`` exit 2 and nothing in the directory runs."""
+    evil = tmp_path / "evil"
+    shutil.copytree(tiny_llama, evil)
+    (evil / "evil.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').write('ran')\n")
+    cfg = json.loads((evil / "config.json").read_text())
+    (evil / "config.json").write_text(json.dumps({**cfg, "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    with pytest.raises(ModelLocationError, match="auto_map.AutoConfig = evil.EvilConfig") as err:
+        locate(str(evil))
+    assert err.value.kind == "remote_code"
+    for command, extra in (("validate", []), ("train", ["--work-dir", str(tmp_path / "w")])):
+        out = CliRunner().invoke(cli, [command, str(repo / "recipes" / "quickstart.yaml"), "~model.from_scratch",
+                                       "~model.tokenizer", f"model.path={evil}", *extra])
+        assert out.exit_code == 2 and "model.path" in out.output and "never runs code" in out.output, out.output
+    assert not (tmp_path / "ran").exists()
+    # a tokenizer config naming a class transformers ships (no module) is not code
+    (evil / "config.json").write_text(json.dumps(cfg))
+    (evil / "tokenizer_config.json").write_text(json.dumps(
+        {**json.loads((evil / "tokenizer_config.json").read_text()),
+         "auto_map": {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]}}))
+    assert locate(str(evil), field="model.tokenizer", need="tokenizer") == evil
+
+
+def test_the_engine_plugins_refuse_remote_code_through_engine_kwargs():
+    import importlib
+
+    for plugin, keys in (("rlcli_vllm", ["trust_remote_code"]), ("rlcli_sglang", ["trust_remote_code"]),
+                         ("rlcli_lmdeploy", ["trust_remote_code", "custom_module_map"])):
+        try:
+            logic = importlib.import_module(f"{plugin}.logic")
+        except ImportError:
+            continue  # the plugin's own tests cover it where it is installed
+        assert set(keys) <= set(logic.MANAGED_ENGINE_KWARGS), plugin

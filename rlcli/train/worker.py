@@ -157,7 +157,8 @@ class TrainWorker:
 
         self.model_dir = Path(model_dir)
         self.ref_model: PolicyModel | None = None  # frozen initial policy, built on first use (KL)
-        self.hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        self.hf_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                             trust_remote_code=False)
         self.hf_model.config.use_cache = False
         if cfg.share_prompts:
             use_shared_prompt_attention(self.hf_model)
@@ -207,7 +208,8 @@ class TrainWorker:
             # run builds the reference at a different step than the uninterrupted one.
             cuda = [self.device.index or 0] if self.device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda):
-                lm = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.param_dtype)
+                lm = AutoModelForCausalLM.from_pretrained(str(self.model_dir), dtype=self.param_dtype,
+                                                          trust_remote_code=False)
             lm.config.use_cache = False
             if self.cfg.share_prompts:
                 use_shared_prompt_attention(lm)

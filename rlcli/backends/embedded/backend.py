@@ -103,7 +103,7 @@ class EmbeddedBackend(InferenceBackend):
         )
         compile: bool | None = Field(
             None,
-            description="torch.compile each decoder layer's decode step and the sampler (fuses their small "
+            description="torch.compile each decoder layer's decode step and the token sampling (fuses their small "
             "operations; the first step pays a compilation of some seconds; a failed compilation falls back to "
             "eager PyTorch with a warning). Default (null): on for CUDA, off on CPU. For a small model in a short "
             "run, off can reach an accuracy sooner: the compilation costs more than it saves (docs/benchmarks.md, "
@@ -185,7 +185,7 @@ class EmbeddedBackend(InferenceBackend):
     def _load_model(ctx: BackendContext) -> torch.nn.Module:
         from transformers import AutoModelForCausalLM  # heavy import, only when a backend is built
 
-        model = AutoModelForCausalLM.from_pretrained(str(ctx.model_dir), dtype=ctx.dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(ctx.model_dir), dtype=ctx.dtype, trust_remote_code=False)
         model.to(ctx.device)
         model.eval()
         model.requires_grad_(False)

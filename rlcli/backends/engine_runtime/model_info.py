@@ -31,7 +31,7 @@ def read_model_info(model_dir: str | Path) -> ModelInfo:
     """Names and shapes of a model's ``state_dict`` from a meta-device instance of its config."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.from_pretrained(str(model_dir))
+    cfg = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=False)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
