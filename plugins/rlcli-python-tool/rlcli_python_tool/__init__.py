@@ -18,11 +18,20 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from rlcli import hookimpl
 from rlcli.tools import Tool, ToolConfig, ToolOutput
-from rlcli_python_tool.sandbox import Limits, SandboxResult, kernel_layers, namespaces_available, run_python
+from rlcli_python_tool._kernel import _boundary_missing
+from rlcli_python_tool.sandbox import (
+    Limits,
+    SandboxResult,
+    Strict,
+    kernel_layers,
+    namespaces_available,
+    run_python,
+    strictness,
+)
 
 __all__ = ["PythonTool", "PythonToolConfig", "Limits", "SandboxResult", "run_python", "namespaces_available",
            "kernel_layers", "format_result"]
@@ -47,10 +56,19 @@ class PythonToolConfig(ToolConfig):
         "private folder) when `unshare` works here; namespace: require them; audit: never use them.")
     disk_mb: int = Field(
         64, gt=0, description="Size of the code's folder in MiB (a private tmpfs where namespaces work).")
-    strict: bool = Field(
-        False, description="Refuse to run unless every kernel layer of the sandbox holds here (namespaces, "
-        "Landlock ABI 6 - Linux 6.12+ - and seccomp); false: run with the layers there are and log once what is "
-        "missing.")
+    strict: Strict = Field(
+        "boundary", description="Which missing kernel layers make the tool refuse to run (rlcli validate and train "
+        "then exit 2 naming them). boundary: Landlock or the seccomp filter, the layers that hold against hostile "
+        "code (files; processes, programs, sockets, signals); all: any layer (namespaces, Landlock ABI 6 - "
+        "Linux 6.12+ - and seccomp); off: none, run with the layers there are. A missing layer that is not "
+        "refused is logged once; what it enforced then rests on the in-process audit hook, which is no "
+        "boundary against code written to get past it. true/false mean all/off.")
+
+    @field_validator("strict", mode="before")
+    @classmethod
+    def _strict_bool(cls, v: Any) -> Any:
+        return strictness(v) if isinstance(v, bool) else v
+
     python: str | None = Field(None, description="Interpreter to run the code with (default: the one running rlcli).")
 
 
@@ -85,19 +103,22 @@ class PythonTool(Tool):
 
     @classmethod
     def check_config(cls, cfg: PythonToolConfig) -> list[tuple[str, str]]:
-        """With ``strict``, every kernel layer must hold on this machine (probed once)."""
-        if not cfg.strict:
+        """The kernel layers ``strict`` asks for must hold on this machine (probed once)."""
+        if cfg.strict == "off":
             return []
-        if cfg.network == "audit":
-            return [("network", "strict: true needs the namespaces, which network: audit turns off; "
+        if cfg.strict == "all" and cfg.network == "audit":
+            return [("network", "strict: all needs the namespaces, which network: audit turns off; "
                                 "use network: auto or namespace")]
         probe = kernel_layers(cfg.python, cfg.network)
         if probe.status != "ok":
             return [("strict", f"the sandbox could not run here: {probe.stderr.strip()[-500:]}")]
-        if probe.missing:
-            return [("strict", "this machine lacks kernel layers of the sandbox: " + "; ".join(probe.missing)
-                     + ". Run on Linux 6.12+ with unprivileged user namespaces, or set strict: false to run "
-                     "without them (a warning is logged)")]
+        missing = probe.missing if cfg.strict == "all" else _boundary_missing(probe.layers)
+        if missing:
+            fix = ("Run on Linux 6.12+ with unprivileged user namespaces, or set strict: boundary (Landlock and "
+                   "seccomp only)" if cfg.strict == "all" else "Run on Linux 5.13+ with Landlock enabled (x86_64 "
+                   "or aarch64), or set strict: off to run without them where no hostile code runs")
+            return [("strict", f"this machine lacks kernel layers strict: {cfg.strict} asks for: "
+                     + "; ".join(missing) + f". {fix} (a warning is logged)")]
         return []
 
     def limits(self) -> Limits:

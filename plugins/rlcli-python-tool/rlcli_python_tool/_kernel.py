@@ -1,6 +1,6 @@
 # The kernel layers of the python tool's sandbox, applied by the child before the audit hook and
-# the code: read-only mounts with a private size-limited folder, no capabilities, Landlock, and a
-# seccomp filter. This text is put in front of ``_bootstrap.py`` and run with ``python -c``;
+# the code: the OOM score, read-only mounts with a private size-limited folder, no capabilities,
+# death with the parent, Landlock, and a seccomp filter. This text is put in front of ``_bootstrap.py`` and run with ``python -c``;
 # importing the module (as the tests do) only defines functions. Pure ctypes on raw syscalls.
 # Every step reports what it could not do instead of raising: the bootstrap decides, from the
 # run's ``strict`` option, whether to refuse or to go on without that layer.
@@ -25,7 +25,9 @@ _SC_DENY = {
     "migrate_pages": (256, 238), "move_pages": (279, 239), "setrlimit": (160, 164),
     # new programs and processes (threads are allowed: see clone below)
     "execve": (59, 221), "execveat": (322, 281), "fork": (57, None), "vfork": (58, None),
-    # network and shared state outside the folder
+    # memory the address-space limit does not count (shmem of memfd files), and network and shared
+    # state outside the folder
+    "memfd_create": (319, 279), "memfd_secret": (447, 447),
     "socket": (41, 198), "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "shmdt": (67, 197),
     "semget": (64, 190), "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192),
     "msgget": (68, 186), "msgsnd": (69, 189), "msgrcv": (70, 188), "msgctl": (71, 187),
@@ -177,12 +179,14 @@ def _sc_program(arch, mypid, metadata):
     return b.program()
 
 
-def _kernel_layers(root, read_paths, mounts, disk_bytes, inodes, without=()):
+def _kernel_layers(root, read_paths, mounts, disk_bytes, inodes, without=(), parent=None):
     """Apply every layer this machine offers, in order; returns ({layer: value}, [problems]).
 
     ``mounts``: the process is alone in fresh user and mount namespaces (``unshare``), so it may
     make every mount read-only and put a tmpfs of ``disk_bytes`` over ``root``. ``without``:
     layers to leave out ("mounts", "landlock", "seccomp"), for tests of what holds without them.
+    ``parent``: the pid of the process that started the sandbox; the child dies with it
+    (``PR_SET_PDEATHSIG``), and exits at once if it is already gone.
     """
     import ctypes
     import os
@@ -197,12 +201,22 @@ def _kernel_layers(root, read_paths, mounts, disk_bytes, inodes, without=()):
         problems.append("%s: %s" % (what, why or "%s (errno %d)" % (os.strerror(e), e)))
         return False
 
+    _oom_first(os, problems)  # before the mounts are read-only: under memory pressure, this process dies first
     layers = {"mounts": False, "capabilities": False, "landlock": 0, "seccomp": False}
     if mounts and "mounts" not in without:
         layers["mounts"] = _readonly_mounts(ctypes, libc, L, root, disk_bytes, inodes, failed)
     # no capabilities: not even those of the user namespace (as root, without one: none at all)
     header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
     layers["capabilities"] = libc.capset(header, data) == 0 or failed("dropping capabilities")
+    # SIGKILL when the parent dies (set after capset, whose credential change could reset it;
+    # unshare execs python, so this is the process that runs the code). The parent may have died
+    # before: then this process was re-parented and must not go on.
+    if libc.prctl(1, L(9), L(0), L(0), L(0)) != 0:  # PR_SET_PDEATHSIG, SIGKILL
+        failed("parent-death signal")
+    if parent is not None and os.getppid() != parent:
+        os.write(2, ("[sandbox] cannot run: the parent is pid %d, not the process that started the sandbox (%d): "
+                     "that one is gone\n" % (os.getppid(), parent)).encode())
+        os._exit(70)
     if libc.prctl(38, L(1), L(0), L(0), L(0)) != 0:  # PR_SET_NO_NEW_PRIVS: Landlock and seccomp need it
         failed("no_new_privs")
         return layers, problems
@@ -211,6 +225,19 @@ def _kernel_layers(root, read_paths, mounts, disk_bytes, inodes, without=()):
     if "seccomp" not in without:
         layers["seccomp"] = _seccomp(ctypes, libc, L, not layers["mounts"], failed)
     return layers, problems
+
+
+def _oom_first(os, problems):
+    """``oom_score_adj`` 1000 (raising it needs no privilege): the kernel's OOM killer picks this
+    process before the trainer, also for memory it does not charge to the address-space limit."""
+    try:
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"1000")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        problems.append("oom_score_adj: %s" % exc)
 
 
 def _readonly_mounts(ctypes, libc, L, root, disk_bytes, inodes, failed):
@@ -299,24 +326,49 @@ def _seccomp(ctypes, libc, L, metadata, failed):
     return True
 
 
-def _missing_layers(layers):
-    """What does not hold without each missing layer, one line each (empty: all are in force)."""
+_NOT_A_BOUNDARY = ("the in-process audit hook, which is not a security boundary (code that corrupts the "
+                   "interpreter - the ctypes types loaded to set up these layers stay reachable - switches it off)")
+
+
+def _boundary_missing(layers):
+    """The missing layers that hold against hostile code (``strict: boundary``): Landlock, which
+    confines every file the code opens, and the seccomp filter, which refuses new processes,
+    programs, sockets, memfd files and signals to others. One line each, as :func:`_missing_layers`."""
     out = []
-    if not layers.get("mounts"):
+    if layers.get("landlock", 0) < 1:
+        out.append("no Landlock (Linux 5.13+, `landlock` in the LSM list): hostile code could read every file "
+                   "this user can read")
+    if not layers.get("seccomp"):
+        out.append("no seccomp filter (x86_64 or aarch64 Linux): hostile code could start programs, open "
+                   "sockets and signal other processes")
+    return out
+
+
+def _missing_layers(layers):
+    """What does not hold without each missing layer, one line each (empty: all are in force).
+
+    Each line names what hostile code can then do: with a layer missing, what it enforced rests
+    on the audit hook alone, and the hook does not hold against code written to get past it.
+    """
+    out = []
+    mounts = layers.get("mounts")
+    if not mounts:
         out.append("no user and mount namespaces (unshare, Linux 5.12+): no network namespace, the rest of "
                    "the filesystem is not read-only, the folder has no size limit (only RLIMIT_FSIZE per file) "
                    "and chmod/chown/utime/xattr calls are refused everywhere")
     abi = layers.get("landlock", 0)
     if abi < 1:
-        out.append("no Landlock (Linux 5.13+, `landlock` in the LSM list): reads and writes outside the folder "
-                   "are stopped by the audit hook only (sqlite3 and dbm are refused)")
+        out.append("no Landlock (Linux 5.13+, `landlock` in the LSM list): reads outside the folder%s are stopped "
+                   "only by %s - hostile code can read every file this user can read%s (sqlite3 and dbm are "
+                   "refused)" % ("" if mounts else " and writes", _NOT_A_BOUNDARY,
+                                 "" if mounts else " and write wherever this user can"))
     elif abi < 6:
         out.append("Landlock ABI %d < 6 (Linux 6.12+): signals and abstract unix sockets are confined by the "
                    "seccomp filter only%s" % (abi, ", truncate() outside rests on the mounts" if abi < 3 else ""))
     if not layers.get("seccomp"):
         out.append("no seccomp filter (x86_64 or aarch64 Linux): changes to the priority, scheduling and limits "
-                   "of other processes, pidfd signals, new processes and sockets are stopped in Python only "
-                   "(a C library reaches them)")
+                   "of other processes, pidfd signals, new processes and programs, memfd files and sockets are "
+                   "stopped only by %s" % _NOT_A_BOUNDARY)
     if not layers.get("capabilities"):
         out.append("capabilities could not be dropped")
     return out

@@ -8,8 +8,10 @@ folder, ``LANG``). The directory is deleted afterwards.
 **What is enforced, and by what** (the plugin's README has the full table, per kernel):
 
 * *Resource limits* (``setrlimit`` in the child, soft = hard): CPU seconds, address space,
-  file size, open files, no core dumps, ``RLIMIT_NPROC``; and the wall clock: the child runs in
-  its own session and its whole process group is killed when the timeout expires.
+  file size, open files, no core dumps, ``RLIMIT_NPROC``, no real-time or raised priority; and
+  the wall clock: the child runs in its own session and its whole process group is killed when
+  the timeout expires. The child dies with this process (``PR_SET_PDEATHSIG``, also when it is
+  SIGKILLed) and its ``oom_score_adj`` is 1000 (the OOM killer takes it before the trainer).
 * *Kernel layers*, applied by the child before the code runs (``_kernel.py``), each where the
   kernel offers it: user, mount, network and IPC namespaces (``unshare``) in which every mount is
   read-only and the folder is a private tmpfs of ``disk_mb``; no capabilities; Landlock (reads
@@ -18,13 +20,21 @@ folder, ``LANG``). The directory is deleted afterwards.
   (no new processes, programs or sockets; signals, priority, scheduling and limits only of the
   sandbox itself; no tracing, no io_uring, no mounts). Which layers held is in
   :attr:`SandboxResult.layers`; a missing one is logged once (``strict`` refuses to run instead).
-* *An audit hook* (``sys.addaudithook``, installed last and impossible to remove from Python)
-  that denies, with ``PermissionError`` and a ``[sandbox] denied ...`` line on stderr, what the
-  policy forbids before the kernel has to: files outside the folder (reading regular files of
-  the standard library is allowed), links, ``chdir`` out, processes, signals, sockets, ``ctypes``
-  and other modules that reach around the policy, raising limits, hand-made code objects and the
-  introspection that could reach the hook itself. It runs inside the sandboxed interpreter, so it
-  is a first line and a source of clear messages; the kernel layers are the boundary.
+* *An audit hook* (``sys.addaudithook``, installed last) that denies, with ``PermissionError``
+  and a ``[sandbox] denied ...`` line on stderr, what the policy forbids before the kernel has
+  to: files outside the folder (reading regular files of the standard library is allowed),
+  links, ``chdir`` out, processes, signals, sockets, ``ctypes`` and other modules that reach
+  around the policy, raising limits, hand-made code objects and the introspection that could
+  reach the hook itself. It runs inside the sandboxed interpreter, so it is a first line and a
+  source of clear messages, **not a security boundary**: code that reads and writes native
+  memory (the ctypes types the child loads to apply the kernel layers stay reachable from pure
+  Python) switches it off. Against hostile code, the kernel layers are the boundary; where one
+  is missing, what it enforced is lost (:attr:`SandboxResult.missing` says what).
+
+The status is taken from what the code cannot fake by printing: the parent's own clock
+(``timeout``), the signal that ended the child (``cpu_limit``, ``killed``), the bootstrap's refusal
+before any code ran (``sandbox_error``), and the exit status the bootstrap sets for an uncaught
+exception (``denied``: 77, a denial of the audit hook; ``memory_limit``: 71, a MemoryError).
 """
 
 from __future__ import annotations
@@ -52,12 +62,28 @@ BOOTSTRAP = (_HERE / "_kernel.py").read_text(encoding="utf-8") + "\n" + (_HERE /
 
 Status = Literal["ok", "error", "denied", "timeout", "cpu_limit", "memory_limit", "killed", "sandbox_error"]
 NetworkMode = Literal["auto", "namespace", "audit"]
+# Which missing kernel layers make the sandbox refuse to run: ``all`` (every layer), ``boundary``
+# (Landlock or seccomp: the layers that hold against hostile code), ``off`` (none: run, log once).
+Strict = Literal["all", "boundary", "off"]
+
+
+def strictness(strict: "Strict | bool") -> Strict:
+    """``strict`` as one of :data:`Strict` (``True``/``False``: ``all``/``off``, as before ``boundary``)."""
+    if isinstance(strict, bool):
+        return "all" if strict else "off"
+    if strict not in ("all", "boundary", "off"):
+        raise ValueError(f"strict must be all, boundary or off (or true/false), not {strict!r}")
+    return strict
 
 log = logging.getLogger("rlcli.python_tool")
 
-# unshare then execs python: same pid (the session leader), true exit status
+# unshare then execs python: same pid (the session leader, whose parent is this process: it dies
+# with it), true exit status
 _UNSHARE_ARGS = ["--user", "--map-root-user", "--net", "--mount", "--ipc"]
 _LAYERS_LINE = "[sandbox] layers "
+# exit statuses of the bootstrap (_bootstrap.py): it refused to run the code; the code died of an
+# uncaught denial of the audit hook (EX_NOPERM); of an uncaught MemoryError
+_EXIT_REFUSED, _EXIT_DENIED, _EXIT_MEMORY = 70, 77, 71
 
 
 @dataclass
@@ -118,10 +144,12 @@ def namespaces_available(unshare: str | None = None) -> bool:
     return _NAMESPACES_OK[unshare]
 
 
-def _command(root: str, limits: Limits, python: str, use_ns: bool, strict: bool, audit_hook: bool,
-             without: tuple[str, ...] = ()):
-    """The child's command line and environment."""
-    opts = dict(limits.for_child(), namespaces=use_ns, strict=strict, audit_hook=audit_hook, without=list(without))
+def _command(root: str, limits: Limits, python: str, use_ns: bool, strict: Strict, audit_hook: bool,
+             without: tuple[str, ...] = (), parent: int | None = None):
+    """The child's command line and environment; ``parent``: the pid the child dies with (this process)."""
+    opts = dict(limits.for_child(), namespaces=use_ns, strict=strictness(strict), audit_hook=audit_hook,
+                without=list(without),
+                parent=os.getpid() if parent is None else parent)
     cmd = [python, "-I", "-S", "-c", BOOTSTRAP, root, json.dumps(opts)]
     if use_ns:
         cmd = [shutil.which("unshare") or "unshare", *_UNSHARE_ARGS, "--", *cmd]
@@ -171,8 +199,9 @@ def _warn_missing(result: SandboxResult) -> None:
     missing = tuple(result.missing)
     if missing and missing not in _WARNED:
         _WARNED.add(missing)
-        log.warning("python tool: the sandbox runs without some kernel layers on this machine (set strict: true "
-                    "to refuse instead): %s", "; ".join(missing))
+        log.warning("python tool: the sandbox runs without some kernel layers on this machine; what they enforced "
+                    "rests on the in-process audit hook, which stops mistakes but not code written to get past it "
+                    "(strict: all refuses to run without them): %s", "; ".join(missing))
 
 
 class _Capture:
@@ -203,12 +232,14 @@ def _kill_group(pid: int) -> None:
 
 
 async def run_python(code: str, limits: Limits | None = None, *, python: str | None = None,
-                     network: NetworkMode = "auto", strict: bool = False, audit_hook: bool = True,
+                     network: NetworkMode = "auto", strict: Strict = "off", audit_hook: bool = True,
                      without: tuple[str, ...] = ()) -> SandboxResult:
     """Run ``code`` under the sandbox described in the module docstring; never raises for bad code.
 
-    ``strict``: refuse (status ``sandbox_error``) unless every kernel layer holds; otherwise a
-    missing layer is logged once. For tests of what each part holds alone, never for rollouts:
+    ``strict``: ``all`` refuses (status ``sandbox_error``) unless every kernel layer holds,
+    ``boundary`` unless Landlock and seccomp hold (the tool's default; see :data:`Strict`), ``off``
+    never (this function's default, for callers that choose); a missing layer that is not refused is
+    logged once. ``True``/``False`` mean ``all``/``off``. For tests of what each part holds alone, never for rollouts:
     ``audit_hook=False`` leaves the audit hook out, ``without`` the named kernel layers
     ("mounts", "landlock", "seccomp").
     """
@@ -243,7 +274,7 @@ async def run_python(code: str, limits: Limits | None = None, *, python: str | N
         except asyncio.TimeoutError:
             readers.cancel()
         result = _result(rc, timed_out, out, err, time.perf_counter() - t0, use_ns)
-        if not strict and not without:
+        if strictness(strict) != "all" and not without:
             _warn_missing(result)
         return result
     except asyncio.CancelledError:
@@ -263,15 +294,21 @@ async def run_python(code: str, limits: Limits | None = None, *, python: str | N
 
 def _result(rc: int | None, timed_out: bool, out: _Capture, err: _Capture, elapsed: float, use_ns: bool) -> SandboxResult:
     layers, stderr = _split_layers(err.text())
+    # the hook's messages, for the reader: the code can write such lines too, so the status never depends on them
     denied = [line[len("[sandbox] denied "):] for line in stderr.splitlines() if line.startswith("[sandbox] denied ")]
     status = _status(rc, timed_out, stderr, bool(layers))
-    if status == "error" and denied:
-        status = "denied"  # it failed on something the sandbox refused
     return SandboxResult(status, rc, out.text(), stderr, elapsed, out.truncated, err.truncated, denied, use_ns, layers)
 
 
 def _status(rc: int | None, timed_out: bool, stderr: str, ran: bool) -> Status:
-    """``ran``: the bootstrap reported its layers, so the code itself ran (and any exit is its own)."""
+    """The status from what printing cannot fake: the parent's clock, the signal, the exit status.
+
+    ``ran``: the bootstrap reported its layers (the first stderr line, written before the code
+    ran), so the code itself ran and any exit is its own; before that, an exit of 70 with the
+    bootstrap's ``[sandbox] cannot`` line is the sandbox's refusal. After it, 77 and 71 are the
+    bootstrap's exit statuses for an uncaught denial and MemoryError (code that exits with them
+    itself gets what it asked for; what it prints on stderr changes nothing).
+    """
     if timed_out:
         return "timeout"
     if rc == 0:
@@ -281,9 +318,10 @@ def _status(rc: int | None, timed_out: bool, stderr: str, ran: bool) -> Status:
         if sig == signal.SIGXCPU:
             return "cpu_limit"
         return "killed"
-    if rc == 70 and not ran and "[sandbox] cannot " in stderr:
-        return "sandbox_error"
-    last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
-    if last.startswith("MemoryError"):
+    if not ran:
+        return "sandbox_error" if rc == _EXIT_REFUSED and "[sandbox] cannot " in stderr else "error"
+    if rc == _EXIT_DENIED:
+        return "denied"
+    if rc == _EXIT_MEMORY:
         return "memory_limit"
     return "error"

@@ -19,7 +19,7 @@ import pytest
 import rlcli_python_tool
 from rlcli_python_tool import (Limits, PythonTool, PythonToolConfig, SandboxResult, format_result, kernel_layers,
                                namespaces_available, run_python, sandbox)
-from rlcli_python_tool._kernel import _SC_DENY, _SC_METADATA, _SC_SELF, _sc_program
+from rlcli_python_tool._kernel import _SC_DENY, _SC_METADATA, _SC_SELF, _boundary_missing, _sc_program
 
 FAST = Limits(cpu_s=2, wall_s=5.0, memory_mb=256, file_mb=4, open_files=32)
 
@@ -226,12 +226,19 @@ def test_network_namespace_is_used_where_available():
 
 
 # ------------------------------------------------------------------------------ the tool
+def tool_strict() -> str:
+    """The tool's default (``boundary``) where Landlock and seccomp hold here, else ``off``: these tests
+    are about the tool's output; which layers it demands is tested above."""
+    return "off" if _boundary_missing(kernel_layers().layers) else "boundary"
+
+
 def test_tool_output_and_status():
-    tool = PythonTool(PythonToolConfig(timeout_s=5, cpu_time_s=2, memory_mb=256, max_output_chars=400))
+    tool = PythonTool(PythonToolConfig(timeout_s=5, cpu_time_s=2, memory_mb=256, max_output_chars=400,
+                                       strict=tool_strict()))
     ok = asyncio.run(tool.run({"code": "print(6 * 7)"}))
     assert ok.status == "ok" and ok.output == "42\n"
     bad = asyncio.run(tool.run({"code": "import os\nos.system('true')"}))
-    assert bad.status == "error" and bad.output.startswith("[status: denied, exit code 1]")
+    assert bad.status == "error" and bad.output.startswith("[status: denied, exit code 77]")
     assert "PermissionError: sandbox: os.system is not allowed" in bad.output
     missing = asyncio.run(tool.run({"source": "print(1)"}))
     assert missing.status == "error" and "'code'" in missing.output
@@ -247,10 +254,10 @@ def test_format_result_keeps_the_end_of_a_long_traceback():
 
 
 def test_concurrent_calls_are_isolated():
-    tool = PythonTool(PythonToolConfig(max_concurrency=2))
+    tool = PythonTool(PythonToolConfig(max_concurrency=2, strict=tool_strict()))
 
     async def main():
-        codes = [f"open('f.txt', 'w').write('{i}')\nimport os\nprint(open('f.txt').read(), os.listdir('.'))"
+        codes = [f"open('f.txt', 'w').write('{i}')\nimport os\nprint(open('f.txt').read(), sorted(os.listdir('.')))"
                  for i in range(4)]
         return await asyncio.gather(*(tool.run({"code": c}) for c in codes))
 
@@ -294,7 +301,7 @@ def test_every_kernel_layer_holds_on_this_machine_or_the_test_names_the_missing_
 def test_strict_refuses_without_a_layer_and_the_default_warns_once():
     r = run("print('ran')", network="audit", strict=True)  # no namespaces: the read-only mounts are missing
     assert r.status == "sandbox_error" and r.stdout == ""
-    assert "cannot run strictly" in r.stderr and "no user and mount namespaces" in r.stderr
+    assert "cannot run with strict: all" in r.stderr and "no user and mount namespaces" in r.stderr
     sandbox._WARNED.clear()
     warnings, grab = [], logging.Handler(logging.WARNING)
     grab.emit = lambda record: warnings.append(record.getMessage())
@@ -305,7 +312,21 @@ def test_strict_refuses_without_a_layer_and_the_default_warns_once():
     finally:
         logger.removeHandler(grab)
     assert first.ok and second.ok and first.layers["mounts"] is False
-    assert len(warnings) == 1 and "strict: true" in warnings[0] and "no user and mount namespaces" in warnings[0]
+    assert len(warnings) == 1 and "strict: all" in warnings[0] and "no user and mount namespaces" in warnings[0]
+
+
+@pytest.mark.parametrize("layer, words", [("landlock", "no Landlock"), ("seccomp", "no seccomp filter")])
+def test_the_default_strict_boundary_refuses_without_landlock_or_seccomp(layer, words):
+    """The tool's default: the layers that hold against hostile code must be there; the others
+    (namespaces, Landlock ABI 6) may be missing, with a warning."""
+    r = run("print('ran')", without=(layer,), strict="boundary")
+    assert r.status == "sandbox_error" and r.stdout == "" and "cannot run with strict: boundary" in r.stderr
+    assert words in r.stderr and "ran" not in r.stderr
+    if kernel_layers().layers.get("landlock", 0) >= 1 and kernel_layers().layers.get("seccomp"):
+        ok = run("print('ran')", network="audit", strict="boundary")  # no namespaces: allowed
+        assert ok.status == "ok" and ok.stdout == "ran\n", ok.stderr
+    assert PythonToolConfig().strict == "boundary"
+    assert [PythonToolConfig(strict=v).strict for v in (True, False, "all", "off")] == ["all", "off", "all", "off"]
 
 
 CHMOD_INSIDE = "import os, shutil\nopen('a', 'w').close()\nos.chmod('a', 0o600)\nshutil.copy2('a', 'b')\nprint('ok')"
@@ -325,6 +346,8 @@ def test_without_namespaces_metadata_calls_are_refused_even_in_the_folder():
 
 
 def test_sqlite_files_outside_are_refused_by_the_hook_and_in_memory_ones_work(tmp_path):
+    if not kernel_layers().layers.get("landlock"):
+        pytest.skip("no Landlock here: sqlite3 is refused altogether (see the test after this one)")
     for db in (str(tmp_path / "x.db"), f"file:{tmp_path}/x.db?mode=rwc"):
         r = run(f"import sqlite3\nsqlite3.connect({db!r}, uri=True).execute('create table t(x)')")
         assert r.status == "denied" and r.denied[0].startswith("sqlite3.connect"), r.stderr
@@ -346,14 +369,25 @@ def test_without_seccomp_the_calls_that_raise_no_audit_event_are_taken_away():
 
 
 def test_strict_is_checked_when_the_recipe_is_loaded(monkeypatch):
-    assert PythonTool.check_config(PythonToolConfig()) == []
+    assert PythonTool.check_config(PythonToolConfig(strict="off")) == []
     [(path, msg)] = PythonTool.check_config(PythonToolConfig(strict=True, network="audit"))
     assert path == "network" and "network: auto" in msg
-    old_kernel = SandboxResult("ok", 0, "", "", 0.0, layers={"mounts": True, "capabilities": True, "landlock": 3,
-                                                              "seccomp": True})
-    monkeypatch.setattr(rlcli_python_tool, "kernel_layers", lambda *a: old_kernel)
+
+    def kernel(landlock, seccomp=True):
+        layers = {"mounts": True, "capabilities": True, "landlock": landlock, "seccomp": seccomp}
+        monkeypatch.setattr(rlcli_python_tool, "kernel_layers", lambda *a: SandboxResult("ok", 0, "", "", 0.0,
+                                                                                          layers=layers))
+
+    kernel(landlock=3)  # Linux 6.8: the boundary holds, not every layer
     [(path, msg)] = PythonTool.check_config(PythonToolConfig(strict=True))
-    assert path == "strict" and "Landlock ABI 3 < 6" in msg and "strict: false" in msg
+    assert path == "strict" and "Landlock ABI 3 < 6" in msg and "strict: boundary" in msg
+    assert PythonTool.check_config(PythonToolConfig()) == []  # the default: strict: boundary
+    kernel(landlock=0)
+    [(path, msg)] = PythonTool.check_config(PythonToolConfig())
+    assert path == "strict" and "no Landlock" in msg and "strict: off" in msg
+    kernel(landlock=6, seccomp=False)
+    [(path, msg)] = PythonTool.check_config(PythonToolConfig())
+    assert path == "strict" and "no seccomp filter" in msg
 
 
 def test_validate_names_the_tool_option_that_cannot_hold():
@@ -365,7 +399,7 @@ def test_validate_names_the_tool_option_that_cannot_hold():
     out = CliRunner().invoke(cli, ["validate", str(recipe), "tasks.0.agent_loop.tools=[{name: calculator}, "
                                    "{name: python, strict: true, network: audit}]"])
     assert out.exit_code == 2, out.output
-    assert re.search(r"tasks\.0\.agent_loop\.tools\.1\.network: strict: true needs the namespaces", out.output)
+    assert re.search(r"tasks\.0\.agent_loop\.tools\.1\.network: strict: all needs the namespaces", out.output)
 
 
 # ------------------------------------------------------------------------------ the seccomp filter
