@@ -39,7 +39,7 @@ def conformance_setup(engine: str, device: str, extra: Sequence[str] = ()) -> tu
     mod = importlib.import_module(PLUGIN_MODULES[engine])
     if engine == "vllm":
         cls, dtype = mod.VLLMBackend, torch.float32
-        settings = dict(gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512)
+        settings = dict(gpu_memory_utilization=0.25, cuda_graphs=False, max_model_len=512)
     elif engine == "sglang":
         # bf16: SGLang 0.5.17's fused RMSNorm (sgl-kernel) has no float32 path; the plugin refuses float32
         cls, dtype = mod.SGLangBackend, torch.bfloat16

@@ -177,7 +177,7 @@ def eval_cmd(recipe: str, overrides: tuple[str, ...], checkpoint: str | None, ou
     rec = _load(recipe, overrides)
     if rec.eval is None or not rec.eval.tasks:
         _fail(f"{recipe}: the recipe has no eval.tasks to evaluate", EXIT_RECIPE_ERROR)
-    from rlcli.runner.evaluate import run_eval
+    from rlcli.runner.eval_command import run_eval
     from rlcli.runner.workdir import WorkDirError
 
     try:

@@ -26,15 +26,34 @@ def _default(f) -> str:
         except TypeError:
             return ""
         if isinstance(v, BaseModel):
-            return "see below"
+            return f"`{{name: {v.name}}}`, see below" if _choice_models(f) else "see below"
         if isinstance(v, list) and v and isinstance(v[0], BaseModel):
             return ", ".join(getattr(x, "name", "") for x in v)
         return f"`{v!r}`"
     return f"`{f.default!r}`"
 
 
+def _choice_models(f) -> list[type[BaseModel]]:
+    """The option models of a field that is a fixed choice among models told apart by ``name``
+    (e.g. a multi-turn loop's ``tool_format``), or [] for any other field."""
+    import typing
+
+    args = [a for a in typing.get_args(f.annotation) if a is not type(None)]
+    if len(args) < 2 or not all(isinstance(a, type) and issubclass(a, BaseModel) and "name" in a.model_fields
+                                for a in args):
+        return []
+    return args
+
+
+def _choice_name(model: type[BaseModel]) -> str:
+    return str(model.model_fields["name"].default)
+
+
 def _type(f) -> str:
     from rlcli.config import ComponentSpec, _kind_of, _unwrap
+
+    if _choice_models(f):
+        return "one of " + ", ".join(f"`{{name: {_choice_name(m)}}}`" for m in _choice_models(f))
 
     kind = _kind_of(f)
     if kind:
@@ -67,7 +86,8 @@ def model_table(model: type[BaseModel]) -> str:
     lines = ["| field | type | default | description |", "| --- | --- | --- | --- |"]
     for name, f in model.model_fields.items():
         desc = (f.description or "").replace("|", "\\|")
-        lines.append(f"| `{name}` | {_type(f).replace('|', 'or')} | {_default(f)} | {desc} |")
+        default = _default(f).replace("|", "\\|")
+        lines.append(f"| `{name}` | {_type(f).replace('|', 'or')} | {default} | {desc} |")
     return "\n".join(lines)
 
 
@@ -98,8 +118,19 @@ def recipe_reference() -> str:
                 continue
             out += [f"### {kind} `{name}`", "", e.description, ""]
             out += [model_table(e.cls.Config) if e.cls.Config.model_fields else "(no options)", ""]
+            out += _choice_tables(e.cls.Config, f"{kind} `{name}`")
     out.append(END)
     return "\n".join(out)
+
+
+def _choice_tables(model: type[BaseModel], owner: str) -> list[str]:
+    """A table for each option of each fixed-choice field of ``model``."""
+    out = []
+    for field_name, f in model.model_fields.items():
+        for choice in _choice_models(f):
+            out += [f"#### {owner}: `{field_name}` `{{name: {_choice_name(choice)}}}`", "",
+                    " ".join((choice.__doc__ or "").split()), "", model_table(choice), ""]
+    return out
 
 
 def _builtin_entries(reg, kind: str) -> list:

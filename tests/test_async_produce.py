@@ -25,7 +25,7 @@ from rlcli.produce import (
     AsyncProduceStrategy, ProduceContext, ProduceStatus, SyncProduceStrategy, Task,
 )
 from rlcli.produce.filters import AllEqualRewards
-from rlcli.replay_buffer import AsyncReplayBuffer, ReplayBuffer, StalenessRule
+from rlcli.replay_buffer import AsyncReplayBuffer, StalenessRule, SyncReplayBuffer
 from rlcli.types import Group, Sample, SampleParams, Status
 
 PROMPT = [5, 6]
@@ -622,7 +622,7 @@ def test_sync_replaces_filtered_and_keeps_aborted():
     backend = ScriptedBackend()
     backend.abort_uids = {2, 3}
     task = make_task("t", backend, strategy_cls=SyncProduceStrategy, filters=[RejectGroups({0})])
-    buf = ReplayBuffer()
+    buf = SyncReplayBuffer()
     ctx = ProduceContext(2, 1, 0, buf)
     try:
         run(task.strategy.produce_batch(task, ctx))
@@ -645,7 +645,7 @@ def test_sync_replaces_filtered_and_keeps_aborted():
 def test_interrupted_sync_window_loses_nothing():
     backend = ScriptedBackend(lambda uid: 40, tick=0.002)
     task = make_task("t", backend, strategy_cls=SyncProduceStrategy)
-    buf = ReplayBuffer()
+    buf = SyncReplayBuffer()
     ctx = ProduceContext(3, 1, 0, buf)
 
     async def go():

@@ -127,7 +127,7 @@ class ResourcesConfig(Strict):
     num_threads: int | None = Field(None, gt=0, description="torch intra-op threads on CPU.")
     expandable_segments: bool | None = Field(
         None, description="CUDA caching allocator's expandable segments for the run (docs/recipes.md#memory). "
-        "Unset: on when the rollout backend allows them (the embedded engine) and neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF is "
+        "Unset: on when the inference backend allows them (the embedded engine) and neither PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF is "
         "set; otherwise as the environment has it. Long-tailed responses make packs of every length: without "
         "them the benchmark's 7B long-tail step ran out of memory with 31.7 GiB reserved but unused. vLLM's "
         "sleep mode refuses them.")

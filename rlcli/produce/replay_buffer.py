@@ -40,9 +40,9 @@ class ReplayBufferConfig(ComponentConfig):
 
 
 class ReplayBuffer(Component):
-    """FIFO replay buffer (XTuner's SyncReplayBuffer)."""
+    """Base of replay buffers: stores groups and hands them out first in, first out, unless a
+    subclass orders them otherwise (``_order_key``). Registered as ``sync``: :class:`SyncReplayBuffer`."""
 
-    name: ClassVar[str] = "sync"
     Config: ClassVar[type[ReplayBufferConfig]] = ReplayBufferConfig
 
     def __init__(self, config: ReplayBufferConfig | None = None):
@@ -162,6 +162,12 @@ class ReplayBuffer(Component):
         self._seq = itertools.count(max_seq + 1)
 
 
+class SyncReplayBuffer(ReplayBuffer):
+    """FIFO replay buffer (XTuner's SyncReplayBuffer)."""
+
+    name: ClassVar[str] = "sync"
+
+
 class AsyncReplayBuffer(ReplayBuffer):
     """Staleness-first replay buffer (XTuner's AsyncReplayBuffer): oldest data is trained first."""
 
@@ -173,4 +179,4 @@ class AsyncReplayBuffer(ReplayBuffer):
 
 @hookimpl
 def register_replay_buffers():
-    return [ReplayBuffer, AsyncReplayBuffer]
+    return [SyncReplayBuffer, AsyncReplayBuffer]

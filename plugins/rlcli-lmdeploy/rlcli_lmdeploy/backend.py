@@ -86,7 +86,9 @@ class LMDeployBackend(EngineBackend):
             "sequences in flight (one step's groups x group size, or the largest eval set; at most 1024), "
             "else LMDeploy's."
         )
-        eager_mode: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
+        cuda_graphs: bool = Field(
+            True, description="Decode with CUDA graphs; false: LMDeploy's eager_mode (faster start-up, slower "
+            "decoding).")
         float32_logits: bool = Field(
             True,
             description="Upcast the engine's logits to float32 before sampling, so that logprobs are float32 "

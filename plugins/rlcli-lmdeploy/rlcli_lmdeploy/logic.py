@@ -59,6 +59,8 @@ ENGINE = EnginePackage(
 
 # PytorchEngineConfig fields the plugin sets itself; `engine_kwargs` may not override them.
 MANAGED_ENGINE_KWARGS: dict[str, str] = {
+    "trust_remote_code": "never: rlcli runs no code from a model directory or a recipe",
+    "custom_module_map": "never: rlcli runs no code from a model directory or a recipe",
     "dtype": "the run's dtype (model.dtype)",
     "tp": "one GPU per engine (the plugin loads weights in process)",
     "device_type": "cuda",
@@ -71,7 +73,7 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "num_gpu_blocks": "cache_max_entry_count 'auto' sizes it from the recipe; give a share instead",
     "session_len": "use the max_model_len option",
     "max_batch_size": "use the max_batch_size option",
-    "eager_mode": "use the eager_mode option",
+    "eager_mode": "use the cuda_graphs option (cuda_graphs false is eager_mode true)",
 }
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -125,7 +127,7 @@ def engine_config_kwargs(cfg: Any, *, dtype: torch.dtype, session_len: int | Non
         enable_prefix_caching=False,
         enable_mp_engine=False,
         distributed_executor_backend="uni",
-        eager_mode=cfg.eager_mode,
+        eager_mode=not cfg.cuda_graphs,
     )
     kw.update(memory if memory is not None else memory_kwargs(cfg))
     if (cfg.max_model_len or session_len) is not None:

@@ -94,8 +94,11 @@ class SGLangBackend(EngineBackend):
             "else SGLang's. Decode CUDA graphs are captured up to it (at most 1024 rows; SGLang's own "
             "default stops at 256 on a 141 GB GPU) unless engine_kwargs names graph sizes."
         )
-        tp_size: int = Field(1, ge=1, description="GPUs per engine (tensor parallelism), from the run's device on.")
-        disable_cuda_graph: bool = Field(False, description="Decode without CUDA graphs (faster start-up).")
+        tensor_parallel_size: int = Field(
+            1, ge=1, description="GPUs per engine (SGLang's tp_size), from the run's device on.")
+        cuda_graphs: bool = Field(
+            True, description="Decode with CUDA graphs; false: SGLang's disable_cuda_graph (faster start-up, slower "
+            "decoding).")
         use_request_seeds: bool = Field(
             False,
             description="Pass each request's seed as SGLang's sampling_seed and start SGLang with "
@@ -334,7 +337,7 @@ class SGLangBackend(EngineBackend):
         device = torch.device(self.ctx.device)
         # CUDA tensors travel to the scheduler process as CUDA IPC handles (no copy through the host)
         tensors = [(name, t.detach().to(device=device, dtype=self.ctx.dtype)) for name, t in named_tensors]
-        payload = [api.serialize(tensors) for _ in range(self.config.tp_size)]
+        payload = [api.serialize(tensors) for _ in range(self.config.tensor_parallel_size)]
         obj = api.UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, load_format=None, flush_cache=True)
         success, message = await self._tm.update_weights_from_tensor(obj, None)
         del tensors, payload  # the scheduler has loaded them (the call returned)

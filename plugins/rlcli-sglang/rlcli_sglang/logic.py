@@ -61,6 +61,7 @@ ENGINE = EnginePackage(
 
 # ServerArgs the plugin sets itself; `engine_kwargs` may not override them.
 MANAGED_ENGINE_KWARGS: dict[str, str] = {
+    "trust_remote_code": "never: rlcli runs no code from a model directory or a recipe",
     "model_path": "the run's model directory",
     "tokenizer_path": "token-in/token-out: the engine never loads a tokenizer",
     "skip_tokenizer_init": "always true (token-in/token-out)",
@@ -74,8 +75,8 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "max_total_tokens": "mem_fraction_static 'auto' sizes it from the recipe; give a share instead",
     "context_length": "use the max_model_len option",
     "max_running_requests": "use the max_batch_size option",
-    "tp_size": "use the tp_size option",
-    "disable_cuda_graph": "use the disable_cuda_graph option",
+    "tp_size": "use the tensor_parallel_size option",
+    "disable_cuda_graph": "use the cuda_graphs option (cuda_graphs false is disable_cuda_graph true)",
 }
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -149,8 +150,8 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
         enable_memory_saver=True,
         enable_weights_cpu_backup=True,
         incremental_streaming_output=False,
-        tp_size=cfg.tp_size,
-        disable_cuda_graph=cfg.disable_cuda_graph,
+        tp_size=cfg.tensor_parallel_size,
+        disable_cuda_graph=not cfg.cuda_graphs,
         log_level=cfg.log_level,
     )
     kw.update(memory if memory is not None else memory_kwargs(cfg))
@@ -159,7 +160,7 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int, gp
     batch = max_batch_size if max_batch_size is not None else cfg.max_batch_size
     if batch is not None:
         kw["max_running_requests"] = int(batch)
-        if not cfg.disable_cuda_graph and not any(k in cfg.engine_kwargs for k in DECODE_GRAPH_KWARGS):
+        if cfg.cuda_graphs and not any(k in cfg.engine_kwargs for k in DECODE_GRAPH_KWARGS):
             kw["cuda_graph_max_bs_decode"] = min(int(batch), DECODE_GRAPH_ROWS_MAX)
     if cfg.use_request_seeds:
         # SGLang reads `sampling_seed` only in deterministic mode (which also picks the pytorch sampler)

@@ -57,7 +57,7 @@ def test_decode_graphs_cover_the_run_batch_unless_told_otherwise():
     run = engine_kwargs(cfg(), model_dir="/m", dtype=torch.bfloat16, seed=0, gpu_id=0, max_batch_size=768)
     assert run["max_running_requests"] == 768 and run["cuda_graph_max_bs_decode"] == 768  # the run's batch
     assert "cuda_graph_max_bs_decode" not in kw()  # no batch known: SGLang's default
-    assert "cuda_graph_max_bs_decode" not in kw(max_batch_size=512, disable_cuda_graph=True)
+    assert "cuda_graph_max_bs_decode" not in kw(max_batch_size=512, cuda_graphs=False)
     assert kw(max_batch_size=512, engine_kwargs={"cuda_graph_max_bs_decode": 128})["cuda_graph_max_bs_decode"] == 128
     listed = kw(max_batch_size=512, engine_kwargs={"cuda_graph_bs_decode": [1, 8, 64]})
     assert "cuda_graph_max_bs_decode" not in listed and listed["cuda_graph_bs_decode"] == [1, 8, 64]

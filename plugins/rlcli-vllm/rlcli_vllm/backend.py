@@ -262,8 +262,9 @@ class VLLMBackend(EngineBackend):
         tensor_parallel_size: int = Field(
             1, ge=1, description="GPUs per engine. This plugin version supports 1 (weights are loaded in process)."
         )
-        enforce_eager: bool = Field(
-            False, description="Skip torch.compile and CUDA graphs (faster start-up, slower decoding)."
+        cuda_graphs: bool = Field(
+            True, description="Decode with CUDA graphs (and vLLM's torch.compile); false runs vLLM eagerly (its "
+            "enforce_eager): faster start-up, slower decoding."
         )
         enable_prefix_caching: bool | None = Field(
             None,

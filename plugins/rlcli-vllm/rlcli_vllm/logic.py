@@ -54,6 +54,7 @@ WORKER_EXTENSION = "rlcli_vllm.worker_extension.RlcliWorkerExtension"
 
 # EngineArgs the plugin sets itself; `engine_kwargs` may not override them.
 MANAGED_ENGINE_KWARGS: dict[str, str] = {
+    "trust_remote_code": "never: rlcli runs no code from a model directory or a recipe",
     "model": "the run's model directory",
     "tokenizer": "token-in/token-out: the engine never loads a tokenizer",
     "skip_tokenizer_init": "always true (token-in/token-out)",
@@ -67,7 +68,7 @@ MANAGED_ENGINE_KWARGS: dict[str, str] = {
     "kv_cache_memory_bytes": "gpu_memory_utilization 'auto' sizes it from the recipe; give a share instead",
     "max_model_len": "use the max_model_len option",
     "tensor_parallel_size": "use the tensor_parallel_size option",
-    "enforce_eager": "use the enforce_eager option",
+    "enforce_eager": "use the cuda_graphs option (cuda_graphs false is enforce_eager true)",
     "max_num_seqs": "use the max_batch_size option",
     "enable_prefix_caching": "use the enable_prefix_caching option",
     "distributed_executor_backend": "the plugin runs the engine in process ('uni')",
@@ -141,7 +142,7 @@ def engine_kwargs(cfg: Any, *, model_dir: str, dtype: torch.dtype, seed: int,
         generation_config="vllm",
         logprobs_mode=cfg.logprobs_mode,
         tensor_parallel_size=cfg.tensor_parallel_size,
-        enforce_eager=cfg.enforce_eager,
+        enforce_eager=not cfg.cuda_graphs,
         distributed_executor_backend="uni",
         disable_log_stats=True,
     )

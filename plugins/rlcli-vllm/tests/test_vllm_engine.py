@@ -26,7 +26,7 @@ KIT_OPTIONS = bc.engine_options(torch.float32)  # fp32 on GPU (TF32 off): kernel
 
 def make_backend(model_dir, **options):
     ctx = bc.default_context(model_dir, device="cuda", dtype=torch.float32)
-    cfg = dict(gpu_memory_utilization=0.25, enforce_eager=True, max_model_len=512)
+    cfg = dict(gpu_memory_utilization=0.25, cuda_graphs=False, max_model_len=512)
     cfg.update(options)
     return VLLMBackend(VLLMBackend.Config(**cfg), ctx)
 

@@ -43,7 +43,7 @@ def test_engine_kwargs_defaults_and_managed_values():
 
 
 def test_engine_kwargs_maps_options_and_passes_extras_through():
-    c = cfg(max_model_len=1024, max_batch_size=512, enable_prefix_caching=False, enforce_eager=True,
+    c = cfg(max_model_len=1024, max_batch_size=512, enable_prefix_caching=False, cuda_graphs=False,
             logprobs_mode="raw_logprobs", engine_kwargs={"kv_cache_dtype": "fp8", "async_scheduling": False})
     kw = engine_kwargs(c, model_dir="/m", dtype=torch.float32, seed=0)
     assert kw["max_model_len"] == 1024 and kw["max_num_seqs"] == 512

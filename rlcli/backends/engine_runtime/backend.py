@@ -155,7 +155,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
     # -------------------------------------------------------------------------- recipe checks
     @classmethod
     def check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
-        """``rlcli validate``: problems of a recipe whose rollout backend is this one."""
+        """``rlcli validate``: problems of a recipe whose inference backend is this one."""
         if getattr(getattr(recipe, "rollout", None), "name", None) != cls.name:
             return []
         issues = []
@@ -168,7 +168,7 @@ class EngineBackend(InferenceBackend, abc.ABC):
 
     @classmethod
     def _check_recipe(cls, recipe: Any) -> list[tuple[str, str]]:
-        """Engine-specific recipe problems (the rollout backend is this one)."""
+        """Engine-specific recipe problems (the inference backend is this one)."""
         return []
 
     # -------------------------------------------------------------------------- hooks
