@@ -63,7 +63,7 @@ from rlcli.backends.embedded.sampling import (
     sample_tokens,
     seed_keys,
 )
-from rlcli.backends.embedded.state import Sequence
+from rlcli.backends.embedded.state import RowState, Sequence
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -72,6 +72,7 @@ __all__ = [
     "EmbeddedEngine",
     "KVCache",
     "LlamaFamilyModel",
+    "RowState",
     "Sequence",
     "_attention_backends",
     "counter_uniform",
