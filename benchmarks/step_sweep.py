@@ -17,8 +17,10 @@ Runs (``--plan`` lists them with their arguments):
   <shape>-<lengths>-trl          TRL GRPOTrainer with transformers generate (0.5b, 1.5b only)
   0.5b-full-rlcli-lora           LoRA r 16, alpha 32 against full fine-tuning (issue 30, acceptance 3)
   0.5b-full-rlcli-kl[-refoffload] the KL penalty, without and with the reference model in CPU memory
-  0.5b-longtail-rlcli-async-free the async row with rollout.lockstep=false: what lockstep (the async
-                                 strategy's default, so that runs repeat exactly) costs on the long tail
+  0.5b-longtail-rlcli-async-free the async row with rollout.lockstep=false: what lockstep (the default
+                                 in colocated runs, so that runs repeat exactly) costs on the long tail
+  0.5b-<lengths>-rlcli-free      the sync rows with rollout.lockstep=false (the default since the fourteenth
+                                 session; the earlier sync figures ran without it): its cost on both lengths
   3b-full-rlcli-cpuoffload       fsdp.cpu_offload where it is not needed: its cost against 3b-full-rlcli
   7b-full-rlcli-cpuoffload       7b with fsdp.cpu_offload as well as its preset: the GPU memory it frees, its cost
   0.5b-full-rlcli-<engine>       rlcli with an engine plugin's rollout (vllm, sglang, lmdeploy; the plugin's
@@ -90,6 +92,10 @@ EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE[
     # thirteenth session: the engine waits for the event loop after each finish): what it costs
     "0.5b-longtail-rlcli-async-free": ("0.5b", "longtail", "rlcli async, lockstep off",
                                        ASYNC + ["rollout.lockstep=false"], LONGTAIL_STEPS),
+    # the sync rows without lockstep (the default for sync too since the fourteenth session): the
+    # earlier sync figures ran so; the headline work finishes every row at once, the long tail spreads them
+    "0.5b-full-rlcli-free": ("0.5b", "full", "rlcli, lockstep off", ["rollout.lockstep=false"]),
+    "0.5b-longtail-rlcli-free": ("0.5b", "longtail", "rlcli, lockstep off", ["rollout.lockstep=false"]),
     "0.5b-full-rlcli-lora": ("0.5b", "full", "rlcli LoRA", ["model.lora.r=16", "model.lora.alpha=32"]),
     "0.5b-full-rlcli-kl": ("0.5b", "full", "rlcli KL", ["train_worker.kl.coef=0.001"]),
     "0.5b-full-rlcli-kl-refoffload": ("0.5b", "full", "rlcli KL, ref_offload",
@@ -388,6 +394,7 @@ def ratios(records: list[dict]) -> list[str]:
                 out.append(f"- {base}: async {step[f'{base}-rlcli-async']} s against sync {mine} s: "
                            f"**{mine / step[f'{base}-rlcli-async']:.2f}×**")
     for a, b in (("0.5b-longtail-rlcli-async", "0.5b-longtail-rlcli-async-free"),
+                 ("0.5b-full-rlcli", "0.5b-full-rlcli-free"), ("0.5b-longtail-rlcli", "0.5b-longtail-rlcli-free"),
                  ("0.5b-full-rlcli-kl-refoffload", "0.5b-full-rlcli-kl"), ("0.5b-full-rlcli-kl", "0.5b-full-rlcli"),
                  ("3b-full-rlcli-cpuoffload", "3b-full-rlcli"), ("7b-full-rlcli-cpuoffload", "7b-full-rlcli"),
                  ("0.5b-full-rlcli-lora", "0.5b-full-rlcli")):

@@ -162,7 +162,7 @@ def test_backend_takes_lockstep_from_the_run_unless_its_config_says(tmp_path):
             be.shutdown()
 
 
-def test_the_colocated_runner_turns_lockstep_on_for_the_async_strategy_only(repo, tmp_path):
+def test_the_colocated_runner_turns_lockstep_on_unless_the_recipe_says(repo, tmp_path):
     import yaml
 
     from rlcli.config import validate_recipe
@@ -185,6 +185,6 @@ def test_the_colocated_runner_turns_lockstep_on_for_the_async_strategy_only(repo
             runner.close()
 
     assert engine_lockstep("async") is True
-    assert engine_lockstep("sync") is False
+    assert engine_lockstep("sync") is True  # multi-turn continuations and dynamic sampling need it too
     assert engine_lockstep("async", "lockstep=false") is False  # the recipe's word wins
-    assert engine_lockstep("sync", "lockstep=true") is True
+    assert engine_lockstep("sync", "lockstep=false") is False

@@ -120,22 +120,29 @@ def test_sigkill_during_checkpoint_write_keeps_previous_checkpoint(repo, tmp_pat
 MULTI_TOKEN_ASYNC = ["tasks.0.produce_strategy={name: async, over_sample_threshold: 0.5, enable_partial_rollout: true, "
                      "max_staleness: 1}", "replay_buffer.name=async", "trainer.sync_weights_interval=2",
                      "rollout.max_batch_size=256"]
+# sync production with dynamic sampling (replacement groups start while others decode) and rollout IS
+# (the engine's logprobs, which depend on the batch a row decoded in, reach the loss)
+MULTI_TOKEN_DYNAMIC_IS = ["tasks.0.group_filters=[{name: all_equal_rewards}]",
+                          "train_worker.rollout_is={mode: truncate, threshold_upper: 2.0}"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["sync", "async"])
+@pytest.mark.parametrize("strategy", ["sync", "sync-dynamic-is", "async"])
 def test_multi_token_run_resumes_identical(repo, tmp_path, strategy):
     """The same with answers of several tokens ending at EOS (quickstart-multitoken: 2-4 digits and
-    EOS), where the engine's batches mix rows of different lengths. Sync production repeats
-    exactly by itself; async production does because the embedded engine steps in lockstep with
-    the event loop (``rollout.lockstep``, on for the async strategy): without it the weight-sync
-    pause lands a timing-dependent number of decode steps late (docs/async.md, "Reproducibility")."""
+    EOS), where the engine's batches mix rows of different lengths. It holds because the embedded
+    engine steps in lockstep with the event loop (``rollout.lockstep``, on by default): without it
+    the async weight-sync pause lands a timing-dependent number of decode steps late, and dynamic
+    sampling's replacement groups join batches that depend on timing, so the engine's logprobs, and
+    with rollout IS the loss, differ (docs/async.md, "Reproducibility")."""
+    extra = {"sync": [], "sync-dynamic-is": MULTI_TOKEN_DYNAMIC_IS, "async": MULTI_TOKEN_ASYNC}[strategy]
+
     def args(work: Path) -> list[str]:
         return [*RLCLI, "train", str(repo / "recipes" / "quickstart-multitoken.yaml"), "--work-dir", str(work),
                 "--quiet", "trainer.total_train_steps=12", "trainer.train_batch_size=128",
                 "trainer.checkpoint_interval=4", "trainer.checkpoint_maxkeep=-1", "trainer.evaluate_step=4",
                 "trainer.auto_resume=true", "eval.evaluator.sample_num=32", "trainer.log_every=100",
-                *(MULTI_TOKEN_ASYNC if strategy == "async" else [])]
+                *extra]
 
     full = tmp_path / "full"
     r = run(args(full))

@@ -127,11 +127,13 @@ class ProduceStrategy(Component):
     """Base class of produce strategies."""
 
     Config: ClassVar[type[ProduceStrategyConfig]] = ProduceStrategyConfig
-    #: The window's outcome depends on when the strategy sees each finished group against the
-    #: engine's steps (it ends the window, and so pauses the engine, with groups still in flight):
-    #: a colocated engine that can step in lockstep with the event loop (``rlcli.lockstep``) does
-    #: so, so that runs repeat exactly.
-    lockstep: ClassVar[bool] = False
+    #: Whether a colocated engine that can step in lockstep with the event loop (``rlcli.lockstep``)
+    #: should, so that runs repeat exactly: requests that reach the engine while others decode (a
+    #: multi-turn loop's continuation turns, dynamic sampling's replacement groups, async's
+    #: over-sampled groups and weight-sync pause) otherwise join batches that depend on timing, and
+    #: so do the engine's logprobs (and, with rollout IS, the loss). True for the built-in
+    #: strategies; a strategy whose runs need not repeat may set it False.
+    lockstep: ClassVar[bool] = True
 
     def __init__(self, config: ProduceStrategyConfig, *, sync_weights_interval: int = 1):
         super().__init__(config)

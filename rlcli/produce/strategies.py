@@ -127,7 +127,6 @@ class AsyncProduceStrategy(ProduceStrategy):
 
     name: ClassVar[str] = "async"
     Config: ClassVar[type[AsyncProduceStrategyConfig]] = AsyncProduceStrategyConfig
-    lockstep: ClassVar[bool] = True  # the pause lands with over-sampled groups in flight
 
     def __init__(self, config: AsyncProduceStrategyConfig, *, sync_weights_interval: int = 1):
         super().__init__(config, sync_weights_interval=sync_weights_interval)

@@ -115,9 +115,10 @@ class EmbeddedBackend(InferenceBackend):
             description="Take each engine step only once the rollout's event loop has handled what the last one "
             "finished (text decoding, judging, the produce strategy's decisions): production then repeats exactly, "
             "so a resumed run ends identical to one never interrupted, at the cost of the GPU waiting while the "
-            "loop works after each finish. Default (null): on in a colocated run whose produce strategy asks for it "
-            "(async: its weight-sync pause would otherwise land a timing-dependent number of steps late), else off "
-            "(sync production repeats exactly without it).",
+            "loop works after each finish. Default (null): on in a colocated run (the built-in produce strategies "
+            "ask for it: a multi-turn loop's continuation turns, dynamic sampling's replacement groups and async's "
+            "over-sampling and weight-sync pause reach the engine at timing-dependent moments otherwise); false "
+            "trades exact repetition for not waiting.",
         )
 
     def __init__(self, config: "EmbeddedBackend.Config | None", ctx: BackendContext):
