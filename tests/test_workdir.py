@@ -328,3 +328,20 @@ def test_report_never_replaces_a_report_html_rlcli_did_not_write(repo, tmp_path)
     (work / "report.html").unlink()
     assert CliRunner().invoke(cli, ["report", str(work)]).exit_code == 0
     assert CliRunner().invoke(cli, ["report", str(work)]).exit_code == 0  # its own page: replaced
+
+
+def test_resuming_with_a_changed_recipe_says_which_keys_changed(repo, tmp_path):
+    """Each checkpoint keeps its recipe; a run resumed with another logs what changed (run.log)."""
+    from rlcli.config import load_recipe
+    from rlcli.runner.workdir import recipe_changes, recipe_record
+
+    work = tmp_path / "w"
+    assert train(repo, work, "trainer.checkpoint_interval=1").exit_code == 0
+    res = train(repo, work, "trainer.checkpoint_interval=1", "trainer.total_train_steps=2", "trainer.seed=7")
+    assert res.exit_code == 0, res.output
+    log = (work / "run.log").read_text()
+    assert "with a changed recipe" in log and "trainer.seed: 1 -> 7; trainer.total_train_steps: 1 -> 2" in log
+    quickstart = repo / "recipes" / "quickstart.yaml"
+    a, b = load_recipe(quickstart), load_recipe(quickstart, ["tasks.0.sampler.prompt_repeat_k=4"])
+    assert recipe_changes(recipe_record(a), a) == [] and recipe_changes(None, b) == []
+    assert recipe_changes(recipe_record(a), b) == ["tasks.0.sampler.prompt_repeat_k: 8 -> 4"]

@@ -34,7 +34,7 @@ from rlcli.runner.setup import (
     Environment, build_tasks, default_work_dir, freeze_heap, seed_everything, setup_logging, thaw_heap,
     write_resolved,
 )
-from rlcli.runner.workdir import export_missing, mark_finished, prepare_work_dir
+from rlcli.runner.workdir import export_missing, mark_finished, note_recipe_changes, prepare_work_dir, recipe_record
 
 log = logging.getLogger("rlcli")
 
@@ -235,7 +235,7 @@ class ColocateRunner:
         from rlcli.train.checkpoint import prune
 
         managers = gather_to_main(self.manager.state_dict())
-        extra = {"step": step, "managers": managers}
+        extra = {"step": step, "managers": managers, "recipe": recipe_record(self.recipe)}
         self.worker.save_checkpoint(self.work_dir / "checkpoints" / f"step-{step}", extra,
                                     no_optimizer=self.cfg.checkpoint_no_save_optimizer)
         if self.main:
@@ -255,6 +255,8 @@ class ColocateRunner:
         log.info("resumed from %s at step %d", path, self.step)
         if not self.quiet:
             print(f"resumed from {path} (step {self.step})")
+        if self.main:
+            note_recipe_changes(extra.get("recipe"), self.recipe, path)
 
     # ------------------------------------------------------------------------------ logging
     def log(self, step: int, metrics: dict[str, float], groups=None) -> dict[str, float]:

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlcli import __version__
+
+log = logging.getLogger(__name__)
 
 MANIFEST = "rlcli-manifest.json"
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "checkpoints", "hf", "eval", "rollouts", "model-init",
@@ -134,6 +137,43 @@ def claim_work_dir(work_dir: Path) -> None:
     manifest = _check_owner(work_dir, overwrite=False)
     if not (work_dir / MANIFEST).is_file():
         _write_manifest(work_dir, (manifest or {}).get("finished"))
+
+
+def recipe_record(recipe) -> str:
+    """The resolved recipe as a JSON string, for a checkpoint's extra state (plain data)."""
+    from rlcli.config import resolved_dict
+
+    return json.dumps(resolved_dict(recipe), sort_keys=True, default=str)
+
+
+def recipe_changes(saved: str | None, recipe) -> list[str]:
+    """The dotted keys whose values differ between the recipe a checkpoint was saved with
+    (:func:`recipe_record`; None for a checkpoint of an older rlcli: nothing known) and ``recipe``,
+    each as ``key: old -> new``."""
+    if saved is None:
+        return []
+    def flat(node, prefix=""):
+        if isinstance(node, dict):
+            return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
+        if isinstance(node, list) and any(isinstance(x, (dict, list)) for x in node):
+            return {k: v for i, val in enumerate(node) for k, v in flat(val, f"{prefix}{i}.").items()}
+        return {prefix[:-1]: node}
+
+    old, new = flat(json.loads(saved)), flat(json.loads(recipe_record(recipe)))
+    unset = "(unset)"
+    return [f"{k}: {old.get(k, unset)!r} -> {new.get(k, unset)!r}" for k in sorted(set(old) | set(new))
+            if old.get(k, unset) != new.get(k, unset)]
+
+
+def note_recipe_changes(saved: str | None, recipe, path: Path) -> list[str]:
+    """Log (a warning) which recipe keys changed since the checkpoint at ``path`` was saved: the
+    resumed run follows the new recipe, so it will not end as either recipe's uninterrupted run."""
+    changes = recipe_changes(saved, recipe)
+    if changes:
+        shown = "; ".join(changes[:12]) + (f"; and {len(changes) - 12} more" if len(changes) > 12 else "")
+        log.warning("resuming from %s with a changed recipe (the run continues with the new one; the "
+                    "checkpoint's extra state keeps the old): %s", path, shown)
+    return changes
 
 
 def mark_finished(work_dir: Path, step: int, recipe) -> None:

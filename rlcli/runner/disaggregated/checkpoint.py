@@ -12,6 +12,7 @@ from rlcli.dist import barrier
 from rlcli.runner.disaggregated.boot import _Boot
 from rlcli.runner.ranks import gather_to_main
 from rlcli.runner.transport import Placement
+from rlcli.runner.workdir import recipe_record
 
 
 class _RolloutStub(torch.nn.Module):
@@ -45,7 +46,8 @@ def _save_collective(boot: _Boot, step: int, contribution: Any, save: Callable[[
         if train_step != step or any(m is None for m in managers):
             raise RuntimeError(f"checkpoint step {step}: incomplete state from the ranks (train step {train_step}, "
                                f"{sum(m is not None for m in managers)}/{n} rollout managers)")
-        extra = {"step": step, "mode": "disaggregated", "placement": boot.placement.as_dict(), "managers": managers}
+        extra = {"step": step, "mode": "disaggregated", "placement": boot.placement.as_dict(), "managers": managers,
+                 "recipe": recipe_record(boot.recipe)}
     save(_checkpoint_dir(boot, step), extra)
     prune(boot.work_dir / "checkpoints", boot.recipe.trainer.checkpoint_maxkeep)  # rank 0 only
     barrier()

@@ -30,7 +30,7 @@ from rlcli.runner.records import (
 from rlcli.runner.schedule import Schedule, total_train_steps
 from rlcli.runner.sequences import sequences_from_groups
 from rlcli.runner.transport import WeightSender, broadcast
-from rlcli.runner.workdir import export_missing, mark_finished
+from rlcli.runner.workdir import export_missing, mark_finished, note_recipe_changes
 from rlcli.types import Group
 
 log = logging.getLogger("rlcli")
@@ -116,6 +116,8 @@ class TrainSide:
         sched, ro, total = self.schedule, self.rollout, self.schedule.total_steps
         with self.timer("sync"):  # the replicas serve exactly the trainer's weights (a resume: the saved ones)
             self._push_weights(self.step)
+        # the start-up push is no step's: a resumed run's first row must read as the uninterrupted run's
+        self.sync_weights_s, self.sync_bytes = 0.0, 0
         if export_missing(self.work_dir, self.step, sched):  # killed while writing it: resumed, redo it
             self._export_hf(self.step)
         last: dict[str, float] = {}
@@ -309,6 +311,7 @@ class TrainSide:
             log.info("resumed from %s at step %d", path, self.step)
             if not self.quiet:
                 print(f"resumed from {path} (step {self.step})")
+            note_recipe_changes(extra.get("recipe"), self.recipe, path)
 
     def report_failure(self, exc: BaseException) -> None:
         """Train rank 0 failing: tell the rollout ranks why (bounded wait), so they stop with the cause."""
