@@ -122,6 +122,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
     from rlcli.runner import rank_entry, run
     from rlcli.runner.setup import default_work_dir
     from rlcli.runner.workdir import WorkDirError, plan_work_dir
+    from rlcli.train.divergence import DivergedError
 
     path_errors = _path_errors()
     spec = LaunchSpec(nproc_per_node, nnodes, node_rank, master_addr, master_port)
@@ -149,7 +150,7 @@ def train(recipe: str, overrides: tuple[str, ...], work_dir: str | None, quiet: 
         oom = any(m.split(": ", 1)[0].endswith("OutOfMemoryError") for m in exc.errors.values())
         _fail("\n".join(named) if named else f"training failed: {exc}" + (f"\n{_out_of_memory_hint()}" if oom else ""),
               EXIT_RECIPE_ERROR if named else 1)
-    except ValueError as exc:
+    except (ValueError, DivergedError) as exc:
         _fail(f"training failed: {exc}", 1)
     except Exception as exc:
         if type(exc).__name__ != "OutOfMemoryError":  # torch.OutOfMemoryError (torch.cuda's too)

@@ -44,6 +44,7 @@ resumed run reads the same weights from the same directory.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import re
 import time
@@ -74,12 +75,15 @@ from rlcli.train.data import (
     pack_shared,
     split_minibatches,
 )
+from rlcli.train.divergence import check_finite
 from rlcli.train.logprobs import PolicyModel, chunked_logprobs, head_value_and_grad_ahead  # noqa: F401 (re-exported)
 from rlcli.train.lr import build_scheduler
 from rlcli.train.optim import MomentDtypeAdamW, adamw_step_local, clip_grad_norm_local
 from rlcli.train.step_loss import correction, head_grad_ahead, kept_counts, micro_batch_loss, on_policy_grad
 from rlcli.train.step_metrics import StepMetrics
 from rlcli.train.weights import DEFAULT_BUCKET_BYTES
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from rlcli.algo.loss import PolicyLoss
@@ -312,7 +316,14 @@ class TrainWorker:
             with torch.profiler.record_function("rlcli/train/optimizer"):
                 self._optimizer_step(step, j, local_loss)
             self._scheduler_step()
+        if step.skipped:  # a NaN loss or gradient: a bad batch, or weights already ruined (diverged)
+            log.warning("train step: %d update(s) skipped for a non-finite loss or gradient norm", step.skipped)
+            self._check_finite("at a step whose loss or gradient was not finite")
         return self._step_metrics(step, t0)
+
+    def _check_finite(self, when: str) -> None:
+        """:class:`rlcli.train.divergence.DivergedError` if a weight is NaN or inf. Collective."""
+        check_finite(self.model.parameters(), when, self.optimizer_steps_done, self.group, self.device)
 
     def _prepare_step(self, seqs: list[TrainSequence], groups: list[list[int]],
                       batches: list[LazyList[MicroBatch]]) -> _Step:
@@ -518,6 +529,7 @@ class TrainWorker:
 
     def save_hf(self, out_dir: str | Path, tokenizer=None, dtype: torch.dtype | None = None) -> Path:
         """Write an HF model dir (safetensors, config, generation config, tokenizer) atomically. Collective."""
+        self._check_finite(f"before writing {out_dir}")
         dtype = dtype or self.dtype
         if self.adapters is not None:
             return lora.save_export(self, Path(out_dir), tokenizer, dtype)
@@ -533,6 +545,7 @@ class TrainWorker:
     def save_checkpoint(self, path: str | Path, extra_state: dict[str, Any] | None = None,
                         *, no_optimizer: bool = False) -> Path:
         """DCP model (+ optimizer) + scheduler + RNG + ``extra_state``, atomically. Collective."""
+        self._check_finite(f"before writing {path}")
         self.model.reshard()
         return ckpt.save_checkpoint(path, self.model, self.optimizer, self.scheduler, extra_state,
                                     no_optimizer=no_optimizer, lora=self._lora_meta)
