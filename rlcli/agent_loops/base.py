@@ -105,7 +105,9 @@ class AgentLoop(Component):
     **Failures.** An exception raised by ``run_sample`` fails only that sample: it becomes FAILED
     with ``error`` "agent loop ... raised ...", its traceback goes to ``run.log``, it is counted
     in ``agent_loop/errors``, and the rest of the group still trains. :func:`run_group_isolated`
-    does the same for a ``run_group`` override that raises (for every sample not yet judged).
+    does the same for a ``run_group`` override that raises (for every sample not yet judged), and
+    for a sample returned malformed (:func:`sample_problem`: lists of different lengths, ids that
+    are not integers >= 0, more than ``max_tokens`` response tokens, a changed prompt).
 
     :mod:`rlcli.testing.agent_loop_conformance` checks all of this against a scripted backend.
     """
@@ -180,18 +182,51 @@ class AgentLoop(Component):
         return {ERRORS_METRIC: float(n)}
 
 
+class MalformedSample(ValueError):
+    """A sample an agent loop returned that cannot be trained on (what is wrong, in the message)."""
+
+
+def sample_problem(sample: Sample, prompt_ids: list[int], max_tokens: int | None) -> str | None:
+    """What makes a sample the loop returned untrainable, or None: lists of different lengths, token
+    ids that are no ids, a response over the budget, a prompt the loop changed."""
+    n = len(sample.response_ids)
+    for name in ("response_mask", "token_versions", "logprobs"):
+        k = len(getattr(sample, name))
+        if k != n and not (name == "logprobs" and k == 0):
+            return f"the sample it returned has {k} {name} for {n} response_ids"
+    bad = next((t for t in sample.response_ids if type(t) is not int or t < 0), None)
+    if bad is not None:
+        return f"the sample it returned holds {bad!r} among its response_ids (token ids are integers >= 0)"
+    if max_tokens is not None and n > max_tokens:
+        return f"the sample it returned has {n} response tokens, over sample_params.max_tokens={max_tokens}"
+    if sample.prompt_ids != prompt_ids:
+        return "it changed the sample's prompt_ids (the prompt is the data's; responses go in response_ids)"
+    return None
+
+
+def _fail(loop: Any, s: Sample, exc: BaseException) -> None:
+    if isinstance(loop, AgentLoop):
+        loop.fail_sample(s, exc)
+    else:
+        log.warning("agent loop %r raised on sample uid=%s", type(loop).__name__, s.uid, exc_info=exc)
+        s.status, s.reward, s.error = Status.FAILED, None, f"agent loop raised {type(exc).__name__}: {exc}"
+
+
 async def run_group_isolated(loop: Any, samples: list[Sample]) -> list[Sample]:
     """``await loop.run_group(samples)``, where an exception fails the samples not yet judged
-    (FAILED, counted and logged by :meth:`AgentLoop.fail_sample`) instead of ending the run.
-    Cancellation is passed on."""
+    (FAILED, counted and logged by :meth:`AgentLoop.fail_sample`) instead of ending the run, and
+    so does a sample returned malformed (:func:`sample_problem`). Cancellation is passed on."""
+    prompts = [list(s.prompt_ids) for s in samples]
     try:
         await loop.run_group(samples)
     except Exception as exc:  # a run_group override that raised
         for s in samples:
             if s.status != Status.COMPLETED or s.reward is None:
-                if isinstance(loop, AgentLoop):
-                    loop.fail_sample(s, exc)
-                else:
-                    log.warning("agent loop %r raised on sample uid=%s", type(loop).__name__, s.uid, exc_info=exc)
-                    s.status, s.reward, s.error = Status.FAILED, None, f"agent loop raised {type(exc).__name__}: {exc}"
+                _fail(loop, s, exc)
+    params = getattr(getattr(loop, "config", None), "sample_params", None)
+    max_tokens = getattr(params, "max_tokens", None)
+    for s, prompt in zip(samples, prompts):
+        problem = None if s.status == Status.FAILED else sample_problem(s, prompt, max_tokens)
+        if problem is not None:
+            _fail(loop, s, MalformedSample(problem))
     return samples
