@@ -124,8 +124,12 @@ class Sample:
 
     @property
     def excluded_from_loss(self) -> bool:
-        """Its judger asked (reward key :data:`EXCLUDE_FROM_LOSS`) that it not be trained on."""
-        return bool((self.reward or {}).get(EXCLUDE_FROM_LOSS))
+        """Its judger asked (reward key :data:`EXCLUDE_FROM_LOSS`) that it not be trained on.
+
+        Only the value ``True`` itself asks it: a string such as ``"false"`` or ``"yes"``, a number
+        or None leaves the sample in the loss (the judge pool already rejects a non-bool value).
+        """
+        return (self.reward or {}).get(EXCLUDE_FROM_LOSS) is True
 
     def reset_response(self) -> None:
         """Drop everything generated so far; keep the prompt (used for re-rolls)."""

@@ -10,9 +10,11 @@ counted alike. A record is a usable :class:`Row` when it passes, in this order:
 ``size``          at most ``max_row_bytes`` bytes (default 1 MiB); a longer line is skipped without
                   being read into memory whole
 ``encoding``      valid UTF-8 (a byte-order mark on the first line is allowed)
-``json``          valid JSON
+``json``          valid JSON, whose integers Python can read (at most 4,300 digits by default)
 ``shape``         an object whose ``prompt`` is a string or a non-empty list of ``{role, content}``
                   messages, with a string ``data_source`` and object ``reward_model`` / ``extra_info``
+``encoding``      no message role or content holds a lone surrogate (a ``\\ud800`` escape, valid
+                  JSON but not text: no tokenizer reads it)
 ``empty_prompt``  some non-system message has non-blank content
 ``no_label``      ``reward_model.ground_truth`` is present and not blank (with ``require_label``)
 
@@ -69,13 +71,27 @@ def bad_record(kind: str, reason: str) -> _Bad:
     return _Bad(kind, reason)
 
 
+def _encodable(text: str, what: str) -> str:
+    """``text``, if UTF-8 can encode it; JSON's ``\\ud800`` escapes can make a lone surrogate, which
+    no tokenizer reads (it would fail the whole file's batch), so such a row is an ``encoding`` row."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise _Bad("encoding", f"{what} holds {text[exc.start]!r} at character {exc.start}, a lone surrogate "
+                       "(a \\ud800-\\udfff escape not in a valid pair), which is not text and cannot be "
+                       "encoded as UTF-8") from None
+    return text
+
+
 def _messages(prompt: Any) -> list[dict]:
     if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
+        return [{"role": "user", "content": _encodable(prompt, "'prompt'")}]
     if isinstance(prompt, list) and prompt and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
-        return [{"role": m["role"], "content": m["content"]} for m in prompt]
+        return [{"role": _encodable(m["role"], f"the role of message {i}"),
+                 "content": _encodable(m["content"], f"the content of message {i}")} for i, m in enumerate(prompt)]
     raise _Bad("shape", "'prompt' must be a string or a non-empty list of {role, content} messages")
 
 
@@ -146,6 +162,17 @@ def _decode(line: bytes, first: bool) -> str:
                    f"{line[exc.start:exc.start + 4]!r}); the file must be UTF-8") from None
 
 
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _Bad("json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise _Bad("json", "invalid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer longer than Python's int-string limit (4,300 digits by default)
+        raise _Bad("json", f"unreadable JSON ({str(exc).split(';')[0]})") from None
+
+
 def decode_records(records: Iterable[Record], where: str, *,
                    max_row_bytes: int | None = DEFAULT_MAX_ROW_BYTES) -> Iterator[tuple[int, Any] | SkippedRow]:
     """``(number, decoded JSON value)`` of every record, or a :class:`SkippedRow` (size, encoding, json)."""
@@ -156,14 +183,11 @@ def decode_records(records: Iterable[Record], where: str, *,
             size = len(data.rstrip(b"\n"))
             if max_row_bytes is not None and size > max_row_bytes:
                 raise _too_long(size, max_row_bytes)
-            try:
-                yield n, json.loads(_decode(data, n == 1))
-            except json.JSONDecodeError as exc:
-                raise _Bad("json", f"invalid JSON ({exc.msg} at column {exc.colno})") from None
-            except RecursionError:
-                raise _Bad("json", "invalid JSON (nested too deeply)") from None
+            obj = _loads(_decode(data, n == 1))
         except _Bad as bad:
             yield SkippedRow(where, n, bad.kind, str(bad))
+        else:
+            yield n, obj
 
 
 def parse_records(records: Iterable[Record], where: str, *, max_row_bytes: int | None = DEFAULT_MAX_ROW_BYTES,

@@ -15,11 +15,15 @@ import math
 import numbers
 from typing import Any, Literal
 
-from rlcli.types import Sample
+import numpy as np
+
+from rlcli.types import EXCLUDE_FROM_LOSS, Sample
 
 _MAX_ERROR_CHARS = 2000
 MAX_ABS_SCORE = 1e6
 """The largest score a judger may return (either sign); beyond it the sample is FAILED."""
+_SCALARS = (str, int, float, bool, type(None))
+_PLAIN_TYPES = "dict, list, tuple, str, int, float, bool, None"
 
 log = logging.getLogger(__name__)
 _warned: set[str] = set()
@@ -44,24 +48,84 @@ def _call_judger(judger: Any, response: str, label: Any, sample: Sample) -> Any:
     return result
 
 
+class _NotPlain(ValueError):
+    """Internal: a reward value that is not plain data (the message names where it is and what it is)."""
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    return cls.__qualname__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as plain data: numpy scalars become Python values, dict / list / tuple subclasses
+    their base type; :class:`_NotPlain` naming ``where`` (its key path, "" for the reward itself)
+    for anything else."""
+    if isinstance(value, np.generic):
+        value = value.item()  # np.float64(1.0) -> 1.0; np.bytes_ / np.datetime64 stay non-plain
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            plain_key = key.item() if isinstance(key, np.generic) else key
+            if type(plain_key) not in _SCALARS:
+                raise _NotPlain(f"{where} has a key {key!r} of type {_type_name(key)}" if where else
+                                f"a key is {key!r}, of type {_type_name(key)}")
+            out[plain_key] = _plain(item, f"{where}[{plain_key!r}]" if where else repr(plain_key))
+        return out
+    if isinstance(value, (list, tuple)):
+        items = [_plain(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    raise _NotPlain(f"{where} is of type {_type_name(value)}")
+
+
+def _plain_reward(reward: dict) -> tuple[dict[str, Any] | None, str | None]:
+    """``reward`` (a dict) as plain data, checked; ``(None, reason)`` naming the first bad key."""
+    try:
+        reward = _plain(reward, "")
+    except _NotPlain as exc:
+        return None, _clip(f"judger returned a reward in which {exc}: a reward holds only plain data ({_PLAIN_TYPES}; "
+                           "numpy scalars are converted), so that it can be checkpointed and logged")
+    except RecursionError:
+        return None, "judger returned a reward nested too deeply (or holding itself)"
+    flag = reward.get(EXCLUDE_FROM_LOSS, False)
+    if not isinstance(flag, bool):
+        return None, _clip(f"judger returned {EXCLUDE_FROM_LOSS!r} = {flag!r} ({_type_name(flag)}); it must be a "
+                           "bool: true (leave the sample out of the loss) or false")
+    return reward, None
+
+
 def normalize_reward(result: Any) -> tuple[dict[str, Any] | None, str | None]:
     """Turn a judger result into ``(reward, None)`` or ``(None, reason)``.
 
     A real number becomes ``{"score": float(x)}``; a dict must hold a real, finite ``"score"``
     (it is converted to ``float``, other keys are kept); anything else is rejected, and so is a
-    score beyond ``+-MAX_ABS_SCORE``.
+    score beyond ``+-MAX_ABS_SCORE``. A reward holds only plain data (dict, list, tuple, str, int,
+    float, bool, None, with str/int/float/bool/None keys): numpy scalars (``np.float64(1.0)``) are
+    converted to Python values, at any depth, and any other value (a set, bytes, an object) is
+    rejected naming its key; so is an ``exclude_from_loss`` that is not a bool.
     """
+    if isinstance(result, np.generic):
+        result = result.item()
     if isinstance(result, numbers.Real):
         score, reward = result, {}
     elif isinstance(result, dict):
         if "score" not in result:
             return None, _clip(f"judger returned a dict without 'score' (keys: {sorted(map(str, result))})")
-        score, reward = result["score"], dict(result)
+        score = result["score"]
+        score = score.item() if isinstance(score, np.generic) else score
         if not isinstance(score, numbers.Real):
             return None, _clip(f"judger returned a non-numeric score {score!r} ({type(score).__name__})")
+        reward, reason = _plain_reward({**result, "score": 0.0})  # the score is checked below, in place
+        if reward is None:
+            return None, reason
     else:
         return None, _clip(f"judger returned {type(result).__name__} {result!r}; expected a number or a dict with 'score'")
-    score = float(score)
+    try:
+        score = float(score)
+    except OverflowError:  # an int beyond float's range
+        return None, f"judger returned a score too large for a float, far beyond +-{MAX_ABS_SCORE:g}"
     if not math.isfinite(score):
         return None, f"judger returned a non-finite score {score}"
     if abs(score) > MAX_ABS_SCORE:
