@@ -134,21 +134,26 @@ def chars(tok, text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------ a BPE chat model
-@pytest.fixture(scope="module")
-def bpe():
-    """A small byte-level BPE tokenizer with Qwen-style chat specials (trained here, no download)."""
+def chat_bpe(corpus: list[str]):
+    """A small byte-level BPE tokenizer trained on ``corpus`` here (no download), with Qwen-style chat
+    specials."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    corpus = ['<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
-              "<tool_response>\n408\n</tool_response> user assistant", "The answer is 409. 1234 408 409 12*34+1"] * 40
     trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<pad>", "<|im_end|>", "<|im_start|>", "<unk>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     core.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return chat_bpe(['<tool_call>{"name": "calculator", "arguments": {"expression": "12*34"}}</tool_call>',
+                     "<tool_response>\n408\n</tool_response> user assistant",
+                     "The answer is 409. 1234 408 409 12*34+1"] * 40)
 
 
 def hermes_loop(tok, backend, tools=None, pool=None, **cfg) -> MultiTurnAgentLoop:
