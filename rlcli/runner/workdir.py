@@ -152,6 +152,7 @@ def recipe_changes(saved: str | None, recipe) -> list[str]:
     each as ``key: old -> new``."""
     if saved is None:
         return []
+
     def flat(node, prefix=""):
         if isinstance(node, dict):
             return {k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()}
