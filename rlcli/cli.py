@@ -456,7 +456,46 @@ def inspect_cmd(work_dir: str, step: int | None, task: str | None, min_reward: f
 
 
 def main() -> None:
-    cli()
+    try:
+        cli()
+    except SystemExit as exc:
+        _exit_past_stray_threads(exc)
+        raise
+    _exit_past_stray_threads(SystemExit(0))
+
+
+STRAY_GRACE_S = 5.0
+
+
+def _exit_past_stray_threads(exc: SystemExit) -> None:
+    """The command is done: if threads that are not rlcli's (a judger's, a plugin's) would keep the
+    interpreter from exiting, wait ``STRAY_GRACE_S`` for them, then say which and exit without them.
+    Thread pools' idle workers (``ThreadPoolExecutor-*``, rlcli's ``rlcli-*``) stop at exit: not stray."""
+    import logging
+    import threading
+    import time
+
+    stray = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon
+             and not t.name.startswith(("ThreadPoolExecutor-", "rlcli-"))]
+    deadline = time.monotonic() + STRAY_GRACE_S
+    for t in stray:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stray = [t for t in stray if t.is_alive()]
+    if not stray:
+        return
+    code = exc.code
+    if isinstance(code, str):  # what SystemExit would have printed
+        click.echo(code, err=True)
+        code = 1
+    names = ", ".join(t.name for t in stray)
+    logging.getLogger("rlcli").warning("threads still running after the command finished (%s): not rlcli's (a "
+                                       "judger's or a plugin's?); exiting without waiting for them", names)
+    click.echo(f"rlcli: exiting without waiting for threads that are still running ({names}): not rlcli's; "
+               "a judger or plugin that starts threads should make them daemons or stop them", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code or 0)
 
 
 if __name__ == "__main__":
