@@ -71,3 +71,24 @@ def test_a_sample_without_logprobs_is_well_formed():
     samples = [Sample(uid=0, group_id=0, task_name="t", prompt_ids=[1, 2])]
     asyncio.run(run_group_isolated(loop, samples))
     assert samples[0].status == Status.COMPLETED and loop.pop_stats() == {"agent_loop/errors": 0.0}
+
+
+def test_a_token_id_beyond_the_models_vocabulary_is_left_out_of_training():
+    """The loop cannot know the model's vocabulary; the runner can: such a sample is FAILED and left
+    out (it would end the train step with an IndexError in the embedding)."""
+    from rlcli.algo.advantage import GRPOAdvantage
+    from rlcli.runner.sequences import sequences_from_groups
+    from rlcli.types import Group
+
+    def sample(uid, ids):
+        return Sample(uid=uid, group_id=0, task_name="t", prompt_ids=[1, 2], response_ids=ids, logprobs=[-1.0] * 2,
+                      response_mask=[1, 1], token_versions=[0, 0], status=Status.COMPLETED,
+                      reward={"score": float(uid)})
+
+    group = Group(group_id=0, task_name="t", samples=[sample(0, [3, 4]), sample(1, [3, 64]), sample(2, [5, 6])])
+    seqs, _ = sequences_from_groups([group], GRPOAdvantage(), vocab_size=64)
+    assert [s.seq_id for s in seqs] == [0, 2]
+    bad = group.samples[1]
+    assert bad.status == Status.FAILED and "token id 64 is beyond the model's vocabulary (64 ids)" in bad.error
+    assert len(sequences_from_groups([Group(group_id=1, task_name="t", samples=[sample(3, [3, 64])])],
+                                     GRPOAdvantage())[0]) == 1  # no vocabulary given: not checked

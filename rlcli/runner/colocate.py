@@ -137,7 +137,7 @@ class ColocateRunner:
                 self.backend.sleep()
             with self.timer("train"):  # advantages -> sequences -> GRPO loss -> optimizer step(s)
                 with torch.profiler.record_function("rlcli/train/sequences"):
-                    seqs, adv = sequences_from_groups(batch.groups, self.estimator)
+                    seqs, adv = sequences_from_groups(batch.groups, self.estimator, self.worker.vocab_size)
                 metrics = {**batch.metrics, **self.worker.train_step(seqs), "advantage/mean": mean(adv)}
             if rollout_peak is not None:
                 metrics["memory/rollout_peak_gib"], metrics["memory/rollout_reserved_peak_gib"] = rollout_peak

@@ -7,20 +7,35 @@ Every judged COMPLETED sample counts in its group's advantages; one whose reward
 
 from __future__ import annotations
 
+import logging
+
 from rlcli.component import ComputesGroups
-from rlcli.types import Group, Status
+from rlcli.types import Group, Sample, Status
+
+log = logging.getLogger(__name__)
 
 
-def sequences_from_groups(groups: list[Group], estimator):
+def _out_of_vocab(s: Sample, vocab_size: int | None) -> bool:
+    """Whether ``s`` holds a token id the model has no embedding for (an agent loop's or backend's bug)."""
+    if vocab_size is None or max(s.prompt_ids + s.response_ids, default=0) < vocab_size:
+        return False
+    s.status, s.reward = Status.FAILED, None
+    s.error = f"token id {max(s.prompt_ids + s.response_ids)} is beyond the model's vocabulary ({vocab_size} ids)"
+    log.warning("sample uid=%s of task %r left out of training: %s", s.uid, s.task_name, s.error)
+    return True
+
+
+def sequences_from_groups(groups: list[Group], estimator, vocab_size: int | None = None):
     """Per-group advantages -> training sequences (FAILED members are left out; members excluded
-    from the loss count in their group's advantages only)."""
+    from the loss count in their group's advantages only). ``vocab_size``: the model's; a member
+    holding a larger token id is made FAILED and left out (it would end the train step)."""
     from rlcli.algo.advantage import AdvantageEstimator
     from rlcli.train.data import TrainSequence
 
     seqs: list[TrainSequence] = []
     adv_values: list[float] = []
     kept = [m for m in ([s for s in g.samples if s.status == Status.COMPLETED and s.reward is not None
-                          and s.response_ids] for g in groups) if m]
+                          and s.response_ids and not _out_of_vocab(s, vocab_size)] for g in groups) if m]
     rewards = [[s.score for s in members] for members in kept]
     lengths = [[len(s.response_ids) for s in members] for members in kept]
     if isinstance(estimator, ComputesGroups):  # every group at once

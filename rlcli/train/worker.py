@@ -570,6 +570,11 @@ class TrainWorker:
         return lora.checkpoint_meta(getattr(self.model_cfg, "lora", None))
 
     @property
+    def vocab_size(self) -> int:
+        """Token ids the model has embeddings for."""
+        return int(self.hf_model.get_input_embeddings().num_embeddings)
+
+    @property
     def optimizer_steps_done(self) -> int:
         return int(self.scheduler.last_epoch)
 

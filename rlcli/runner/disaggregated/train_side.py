@@ -199,7 +199,7 @@ class TrainSide:
         return _Batch(groups, metrics, any(parts[i].expired for i in parts))
 
     def _train(self, groups: list[Group]) -> dict[str, float]:
-        seqs, adv = sequences_from_groups(groups, self.estimator)
+        seqs, adv = sequences_from_groups(groups, self.estimator, self.worker.vocab_size)
         parts = split_sequences(seqs, self.n_train)
         mine = parts[0]
         if self.n_train > 1:
