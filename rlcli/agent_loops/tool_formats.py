@@ -160,11 +160,9 @@ def encode_tool_response(tok: Any, fmt: ToolCallFormat, results: list[ToolResult
         return list(tok.encode(text, add_special_tokens=False, **kw))
 
     unk = getattr(tok, "unk_token_id", None)
-    special = {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special and i != unk}
-    whole = encode(fmt.render(results))
-    template = encode(fmt.render([replace(r, output="") for r in results]))
-    if [i for i in whole if i in special] == [i for i in template if i in special]:
-        return whole  # the outputs add no special token
+    special = [t.content for i, t in getattr(tok, "added_tokens_decoder", {}).items() if t.special and i != unk]
+    if not any(text in r.output for r in results for text in special):
+        return encode(fmt.render(results))  # the usual case: one encode of the whole text
     marks = {f"@@tool-output-{k}@@": r.output for k, r in enumerate(results)}  # where each output goes
     rendered = fmt.render([replace(r, output=m) for r, m in zip(results, marks)])
     ids: list[int] = []

@@ -17,10 +17,13 @@ log = logging.getLogger(__name__)
 
 def _out_of_vocab(s: Sample, vocab_size: int | None) -> bool:
     """Whether ``s`` holds a token id the model has no embedding for (an agent loop's or backend's bug)."""
-    if vocab_size is None or max(s.prompt_ids + s.response_ids, default=0) < vocab_size:
+    if vocab_size is None:
+        return False
+    top = max(max(s.prompt_ids, default=0), max(s.response_ids, default=0))
+    if top < vocab_size:
         return False
     s.status, s.reward = Status.FAILED, None
-    s.error = f"token id {max(s.prompt_ids + s.response_ids)} is beyond the model's vocabulary ({vocab_size} ids)"
+    s.error = f"token id {top} is beyond the model's vocabulary ({vocab_size} ids)"
     log.warning("sample uid=%s of task %r left out of training: %s", s.uid, s.task_name, s.error)
     return True
 

@@ -81,10 +81,7 @@ def check_dir_path(path: Path, what: str = "work dir", option: str = "--work-dir
 
 def recipe_fingerprint(recipe) -> str:
     """A hash of the fully resolved recipe: a rerun of the same recipe has the same fingerprint."""
-    from rlcli.config import resolved_dict
-
-    text = json.dumps(resolved_dict(recipe), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return hashlib.sha256(recipe_record(recipe).encode()).hexdigest()
 
 
 def plan_work_dir(work_dir: Path, *, auto_resume: bool, overwrite: bool, recipe=None) -> WorkDirPlan:

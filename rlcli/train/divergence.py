@@ -26,17 +26,14 @@ class DivergedError(RuntimeError):
 
 def weights_finite(params: Iterable[torch.Tensor], group=None, device: torch.device | None = None) -> bool:
     """Whether every parameter is finite on every rank of ``group`` (collective when it has several)."""
-    ok = True
-    for p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p  # an FSDP2 DTensor: this rank's shard
-        if local.numel() and not bool(torch.isfinite(local.detach()).all()):
-            ok = False
-            break
+    flags = [torch.isfinite(local.detach()).all()
+             for local in (p.to_local() if hasattr(p, "to_local") else p for p in params)  # FSDP2: this rank's shard
+             if local.numel()]
+    # one flag on the device, read once (not a host sync per parameter)
+    flag = (torch.stack(flags).all() if flags else torch.tensor(True)).to(device or "cpu", torch.float32).reshape(1)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        flag = torch.tensor([1.0 if ok else 0.0], device=device or "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        ok = bool(flag.item() == 1.0)
-    return ok
+    return bool(flag.item() == 1.0)
 
 
 def check_finite(params: Iterable[torch.Tensor], when: str, steps_done: int, group=None,
