@@ -95,7 +95,8 @@ EXTRAS = {  # run id -> (shape, lengths, row name, overrides on top of HEADLINE[
     # the sync rows without lockstep (the default for sync too since the fourteenth session): the
     # earlier sync figures ran so; the headline work finishes every row at once, the long tail spreads them
     "0.5b-full-rlcli-free": ("0.5b", "full", "rlcli, lockstep off", ["rollout.lockstep=false"]),
-    "0.5b-longtail-rlcli-free": ("0.5b", "longtail", "rlcli, lockstep off", ["rollout.lockstep=false"]),
+    "0.5b-longtail-rlcli-free": ("0.5b", "longtail", "rlcli, lockstep off", ["rollout.lockstep=false"],
+                                 LONGTAIL_STEPS),
     "0.5b-full-rlcli-lora": ("0.5b", "full", "rlcli LoRA", ["model.lora.r=16", "model.lora.alpha=32"]),
     "0.5b-full-rlcli-kl": ("0.5b", "full", "rlcli KL", ["train_worker.kl.coef=0.001"]),
     "0.5b-full-rlcli-kl-refoffload": ("0.5b", "full", "rlcli KL, ref_offload",
