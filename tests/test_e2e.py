@@ -1,5 +1,6 @@
 """End to end on the CPU: the quickstart learns, eval reproduces it, plugins and failures behave."""
 
+import asyncio
 import json
 
 import pytest
@@ -176,6 +177,36 @@ def test_agent_loop_errors_fail_samples_not_the_run(repo, tmp_path):
     assert all(x["eval/agent_loop/errors"] == 10 for x in r)  # 100 eval prompts, 1 sample each
     log = (tmp_path / "raising" / "run.log").read_text()
     assert log.count("Traceback (most recent call last)") >= 10 and "ValueError: raising loop on uid 3" in log
+
+
+class HangsOnce(SingleTurnAgentLoop):
+    """Awaits forever on one training sample in ten (a tool server that never answers)."""
+
+    name = "hangs_once"
+
+    async def run_sample(self, sample):
+        if sample.uid % 10 == 3 and self.salt.startswith("train"):
+            await asyncio.Event().wait()
+        return await super().run_sample(sample)
+
+
+class HangsOncePlugin:
+    @hookimpl
+    def register_agent_loops(self):
+        return [HangsOnce]
+
+
+def test_an_agent_loop_that_never_returns_fails_its_group_past_timeout_s(repo, tmp_path):
+    def loop(raw):
+        raw["trainer"]["total_train_steps"] = 2
+        raw["tasks"][0]["agent_loop"] = {**raw["tasks"][0].get("agent_loop", {}), "name": "hangs_once",
+                                         "timeout_s": 1.0}
+
+    r = _fit(repo, _short(repo, tmp_path / "hangs", loop), HangsOncePlugin())
+    assert [x["step"] for x in r] == [0, 1, 2]
+    for x in r[1:]:  # the hanging sample fails; its group's other members finished before the timeout
+        assert x["agent_loop/errors"] >= 1 and x["rollout/failed_samples"] >= x["agent_loop/errors"]
+    assert "agent_loop.timeout_s=1 s; it was cancelled" in (tmp_path / "hangs" / "run.log").read_text()
 
 
 def test_fresh_run_refuses_a_used_work_dir(repo, tmp_path):

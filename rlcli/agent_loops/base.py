@@ -18,6 +18,7 @@ from pydantic import Field
 from rlcli import debug_enabled
 from rlcli.backends.base import InferenceBackend
 from rlcli.component import Component, ComponentConfig
+from rlcli.stall import progressed
 from rlcli.tokenizer import DecodeBatcher
 from rlcli.types import Sample, SampleParams, Status
 
@@ -27,6 +28,7 @@ ERRORS_METRIC = "agent_loop/errors"
 """Samples FAILED because their agent loop raised (per step; ``eval/agent_loop/errors`` in evaluation)."""
 
 _MAX_ERROR_CHARS = 2000
+_CANCEL_GRACE_S = 5.0  # a timed-out group gets this long to unwind after its cancellation
 
 
 def request_seed(run_seed: int, sample: Sample, salt: str = "", start: int = 0) -> int:
@@ -43,6 +45,10 @@ def request_seed(run_seed: int, sample: Sample, salt: str = "", start: int = 0) 
 
 class AgentLoopConfig(ComponentConfig):
     sample_params: SampleParams = Field(default_factory=SampleParams, description="How responses are sampled.")
+    timeout_s: float | None = Field(
+        None, gt=0, description="Seconds one group may take in the agent loop (generation, tool calls and "
+        "judging, queueing for the engine included); past them the group is cancelled and its unfinished "
+        "samples FAILED ('timed out'), so an await that never returns cannot stall the run. null: no limit.")
 
 
 class AgentLoop(Component):
@@ -212,17 +218,49 @@ def _fail(loop: Any, s: Sample, exc: BaseException) -> None:
         s.status, s.reward, s.error = Status.FAILED, None, f"agent loop raised {type(exc).__name__}: {exc}"
 
 
+class AgentLoopTimeout(TimeoutError):
+    """A group took longer than its agent loop's ``timeout_s``."""
+
+
+async def _run_limited(loop: Any, samples: list[Sample], timeout: float | None) -> None:
+    """``await loop.run_group(samples)``, cancelled after ``timeout`` seconds (:class:`AgentLoopTimeout`)."""
+    if timeout is None:
+        await loop.run_group(samples)
+        return
+    task = asyncio.ensure_future(loop.run_group(samples))
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        task.result()
+        return
+    task.cancel()
+    await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)  # let it unwind; one that ignores cancellation is left
+    if not task.done():
+        log.warning("agent loop %r kept running %.0f s after its group was cancelled (timeout_s)",
+                    type(loop).__name__, _CANCEL_GRACE_S)
+    elif not task.cancelled():
+        task.exception()  # retrieved: asyncio does not log it as "never retrieved"
+    raise AgentLoopTimeout(f"the group took longer than agent_loop.timeout_s={timeout:g} s; it was cancelled")
+
+
 async def run_group_isolated(loop: Any, samples: list[Sample]) -> list[Sample]:
     """``await loop.run_group(samples)``, where an exception fails the samples not yet judged
     (FAILED, counted and logged by :meth:`AgentLoop.fail_sample`) instead of ending the run, and
-    so does a sample returned malformed (:func:`sample_problem`). Cancellation is passed on."""
+    so does a sample returned malformed (:func:`sample_problem`) and a group past the loop's
+    ``timeout_s``. Cancellation is passed on."""
     prompts = [list(s.prompt_ids) for s in samples]
+    timeout = getattr(getattr(loop, "config", None), "timeout_s", None)
     try:
-        await loop.run_group(samples)
-    except Exception as exc:  # a run_group override that raised
+        await _run_limited(loop, samples, timeout)
+    except Exception as exc:  # a run_group override that raised, or the group timed out
         for s in samples:
             if s.status != Status.COMPLETED or s.reward is None:
                 _fail(loop, s, exc)
+    finally:
+        progressed()
     params = getattr(getattr(loop, "config", None), "sample_params", None)
     max_tokens = getattr(params, "max_tokens", None)
     for s, prompt in zip(samples, prompts):

@@ -35,6 +35,7 @@ from rlcli.runner.setup import (
     write_resolved,
 )
 from rlcli.runner.workdir import export_missing, mark_finished, note_recipe_changes, prepare_work_dir, recipe_record
+from rlcli.stall import StallWatchdog
 
 log = logging.getLogger("rlcli")
 
@@ -99,11 +100,13 @@ class ColocateRunner:
         self.evaluator = (Evaluator(env, recipe.eval, self.backend, sync_weights_interval=interval)
                           if self.schedule.evaluate else None)
         self.loop = asyncio.new_event_loop()
+        self.watchdog = StallWatchdog(self.loop)  # a rollout that stops moving says where
         self.step = 0
         if ckpt is not None:
             self._resume(ckpt)
         self.sync_weights(version=self.step)  # the backend serves exactly the trainer's weights
         freeze_heap()
+        self.watchdog.start()
 
     def peak_memory_gib(self) -> tuple[float, float] | None:
         """Peak device memory allocated, and reserved by torch's caching allocator, by this process since
@@ -296,6 +299,7 @@ class ColocateRunner:
             t.cancel()
         if leftover:
             self.loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        self.watchdog.stop()
         self.loop.close()
         thaw_heap()
         self._restore_allocator()

@@ -11,6 +11,7 @@ from rlcli.runner.evaluation import Evaluator
 from rlcli.runner.records import sample_row, write_skipped_rows
 from rlcli.runner.setup import Environment, default_work_dir, setup_logging
 from rlcli.runner.workdir import check_dir_path, claim_work_dir
+from rlcli.stall import StallWatchdog
 from rlcli.train.lora import is_adapter_export
 
 
@@ -43,10 +44,12 @@ def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tup
         del worker
     evaluator = Evaluator(env, recipe.eval, backend, sync_weights_interval=recipe.trainer.sync_weights_interval)
     loop = asyncio.new_event_loop()
+    watchdog = StallWatchdog(loop, "evaluation").start()
     try:
         samples = loop.run_until_complete(evaluator.run(step=0))
         metrics = {**evaluator.metrics(samples), **evaluator.pop_stats()}
     finally:
+        watchdog.stop()
         evaluator.close()
         backend.shutdown()
         loop.close()

@@ -22,6 +22,7 @@ from rlcli.runner.records import ROLLOUT_TOKENS_PER_S, per_second, write_skipped
 from rlcli.runner.schedule import share
 from rlcli.runner.setup import build_tasks
 from rlcli.runner.transport import RemoteFailure, receive_weights, recv, send
+from rlcli.stall import StallWatchdog
 
 
 def _sums(key: str) -> bool:
@@ -62,6 +63,7 @@ class RolloutSide:
         self.evaluator = (Evaluator(env, self.recipe.eval, self.backend, sync_weights_interval=interval, shard=shard)
                           if self.cfg.enable_evaluate else None)
         self.loop = asyncio.new_event_loop()
+        self.watchdog = StallWatchdog(self.loop)  # started with the loop's thread: a stalled rollout says where
         self._thread = threading.Thread(target=self._run_loop, name="rlcli-rollout-loop", daemon=True)
         self._idle_s = self._busy_s = 0.0
         self._evaluating = False
@@ -70,6 +72,7 @@ class RolloutSide:
         if resumed:
             self._resume(boot.checkpoint)
         self._thread.start()
+        self.watchdog.start()
         self.call(self._start(resumed))
 
     # ------------------------------------------------------------------------ event loop
@@ -216,6 +219,7 @@ class RolloutSide:
             if self.evaluator:
                 self.evaluator.close()
             self.backend.shutdown()
+        self.watchdog.stop()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=30 if graceful else 2)
         if graceful and not self._thread.is_alive():
