@@ -11,6 +11,12 @@ calls); work of a third-party component that runs elsewhere and is not tracked i
 
 ``settled`` reads the loop's queue of ready callbacks (``_ready`` of asyncio's own loops; other
 loop implementations are given a fixed number of turns instead).
+
+An engine in lockstep hands out what finished only at steps numbered a multiple of
+:data:`ENGINE_STEPS` (or when its work runs out), so the loop handles finishes, and the engine
+waits for it, once per that many steps rather than after every step that finished a row (with
+responses of many lengths, nearly every step); a request made in reaction joins at most that many
+steps later.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from __future__ import annotations
 import asyncio
 import weakref
 
-__all__ = ["settled", "track"]
+__all__ = ["ENGINE_STEPS", "settled", "track"]
+
+ENGINE_STEPS = 8  # a lockstep engine hands out finishes at steps numbered a multiple of this
 
 _TURNS_WITHOUT_READY_QUEUE = 64  # loops that do not expose their ready queue get this many turns
 

@@ -112,10 +112,10 @@ class EmbeddedBackend(InferenceBackend):
 
         lockstep: bool | None = Field(
             None,
-            description="Take each engine step only once the rollout's event loop has handled what the last one "
-            "finished (text decoding, judging, the produce strategy's decisions): production then repeats exactly, "
-            "so a resumed run ends identical to one never interrupted, at the cost of the GPU waiting while the "
-            "loop works after each finish. Default (null): on in a colocated run (the built-in produce strategies "
+            description="Hand out finished responses every 8 engine steps and take the next steps only once the "
+            "rollout's event loop has handled them (text decoding, judging, the produce strategy's decisions): "
+            "production then repeats exactly, so a resumed run ends identical to one never interrupted, at the cost "
+            "of the GPU waiting while the loop works on what was handed out. Default (null): on in a colocated run (the built-in produce strategies "
             "ask for it: a multi-turn loop's continuation turns, dynamic sampling's replacement groups and async's "
             "over-sampling and weight-sync pause reach the engine at timing-dependent moments otherwise); false "
             "trades exact repetition for not waiting.",
@@ -287,11 +287,26 @@ class EmbeddedBackend(InferenceBackend):
         with the GPU idle, so one per decode step would add up; requests submitted meanwhile are
         admitted by the next step, and each step takes the lock on its own, so ``sleep`` or
         ``update_weights`` wait for at most one step plus the slice."""
+        if self._engine.lockstep:
+            return self._lockstep_slice()
         deadline = time.perf_counter() + _STEPS_SLICE_S
         while True:
             done = self._locked_step()
             if (done or self._closed or self._paused or self._asleep or not self._engine.has_work()
                     or time.perf_counter() >= deadline):
+                return done
+
+    def _lockstep_slice(self) -> list[tuple[Sequence, GenerateOutput]]:
+        """Lockstep: engine steps until one at a lockstep boundary (every ``ENGINE_STEPS`` steps since
+        the engine last ran out of work) has finishes to hand out (all of those since the last
+        slice), or the work runs out, or the backend is paused, asleep or closed: boundaries that
+        depend on step counts only, never on time."""
+        done: list[tuple[Sequence, GenerateOutput]] = []
+        while True:
+            done += self._locked_step()
+            if self._closed or self._paused or self._asleep or not self._engine.has_work():
+                return done
+            if done and self._engine.at_lockstep_boundary():
                 return done
 
     def _locked_step(self) -> list[tuple[Sequence, GenerateOutput]]:

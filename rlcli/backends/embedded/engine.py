@@ -99,6 +99,7 @@ class EmbeddedEngine(Admission, DecodeStep):
         #: finished row's outputs come out exactly one step after it finished.
         self.lockstep = False
         self._step_index = 0
+        self._busy_steps = 0  # steps since the engine last ran out of work: lockstep's boundaries count these
         self._ordered_waiting = 0  # lockstep: the waiting sequences already put in order
         if self.shape_stable_decode and self.device.type == "cuda" and CudaGraphDecoder.supported(model):
             self.cuda_graphs = CudaGraphDecoder(model, self.cache, self.max_batch_size,
@@ -207,6 +208,7 @@ class EmbeddedEngine(Admission, DecodeStep):
         """
         t0 = time.perf_counter()
         self._step_index += 1
+        self._busy_steps += 1
         if self.lockstep:
             self._order_arrivals()
         self.cache.allocate()
@@ -221,6 +223,8 @@ class EmbeddedEngine(Admission, DecodeStep):
         self._emit_finished(done, wait=not self._active)
         self._done = []
         self._ordered_waiting = len(self._waiting)
+        if not self.has_work():
+            self._busy_steps = 0
         with self._stats_lock:
             self._stats["generated_tokens"] += generated
             self._stats["steps"] += 1
@@ -249,6 +253,7 @@ class EmbeddedEngine(Admission, DecodeStep):
             waiting, self._waiting = list(self._waiting), deque()
             self._ordered_waiting = 0
         self._cancelled.clear()
+        self._busy_steps = 0
         done += [(s, GenerateOutput(finish_reason=reason, error=error)) for s in waiting if not s.cancelled]
         return done
 
@@ -270,6 +275,7 @@ class EmbeddedEngine(Admission, DecodeStep):
         self._active = 0
         self._h_flag_src[:] = -1
         self._cancelled.clear()
+        self._busy_steps = 0
         return done
 
     def _reap_cancelled(self) -> None:

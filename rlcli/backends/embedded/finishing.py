@@ -12,6 +12,7 @@ import torch
 from rlcli.backends.base import GenerateOutput
 from rlcli.backends.embedded.kv_cache import KVCache
 from rlcli.backends.embedded.state import RowState, Sequence
+from rlcli.lockstep import ENGINE_STEPS
 
 
 @dataclass(eq=False)
@@ -64,6 +65,13 @@ class Finishing(RowState):
     _in_flight: deque[FinishedRows]
     lockstep: bool
     _step_index: int
+    _busy_steps: int  # steps since the engine last ran out of work
+
+    def at_lockstep_boundary(self) -> bool:
+        """Whether the step just taken is one where a lockstep engine hands out finishes: a
+        multiple of ``ENGINE_STEPS`` steps since the engine last ran out of work (counted so, the
+        boundaries are the same in a resumed run as in one never interrupted)."""
+        return self._busy_steps % ENGINE_STEPS == 0
 
     def _finish_where_done(self, rows_np: np.ndarray, stop: np.ndarray, done: list, defer: bool = False) -> None:
         finished = stop | (self._h_gen[rows_np] >= self._h_max_new[rows_np])
@@ -107,12 +115,18 @@ class Finishing(RowState):
 
     def _emit_finished(self, done: list, wait: bool) -> None:
         """Hand out the finished rows whose copies are complete, in the order they finished;
-        with ``wait``, all of them (waiting for the device). In ``lockstep``, those of the earlier
-        steps (waiting for their copies, queued a step ago), so that which step hands out a finish
-        does not depend on the device's timing."""
+        with ``wait``, all of them (waiting for the device). In ``lockstep``, at its boundaries
+        (every :data:`~rlcli.lockstep.ENGINE_STEPS` steps: ``at_lockstep_boundary``), those of
+        the earlier steps (waiting for their copies), so that which step hands out a finish does
+        not depend on the device's timing, and the host waits for the device once per that many
+        steps."""
         while self._in_flight:
             fin = self._in_flight[0]
-            if not wait and (fin.step >= self._step_index if self.lockstep else not fin.ready.query()):
+            if self.lockstep:
+                hold = not self.at_lockstep_boundary() or fin.step >= self._step_index
+            else:
+                hold = not fin.ready.query()
+            if hold and not wait:
                 return
             fin.ready.synchronize()
             self._in_flight.popleft()
