@@ -176,6 +176,7 @@ def test_train_refuses_prompts_that_cannot_fit_before_the_model_loads(repo, tmp_
     out = CliRunner().invoke(cli, [*base, "model.from_scratch.max_position_embeddings=4"])
     assert out.exit_code == 2, out.output
     assert "task 'arith': 100 of 100 prompts have 4 tokens or more" in out.output
+    assert f"the first: {repo / 'recipes' / 'data' / 'arith.jsonl'}:1 (" in out.output  # named by file:line
     assert "model.from_scratch.max_position_embeddings" in out.output
     assert not (work / "metrics.jsonl").exists()
     out = CliRunner().invoke(cli, [*base, "train_worker.pack_max_length=3"])
@@ -195,3 +196,21 @@ def test_gsm8k_converter_lists_every_skipped_line(tmp_path):
     assert all(f"raw2.jsonl:{i}:" in out.stderr for i in range(1, 13))
     unwritable = CliRunner().invoke(cli, ["data", "gsm8k", str(src), str(src / "out.jsonl")])
     assert unwritable.exit_code == 2 and "cannot convert" in unwritable.output
+
+
+def test_prompts_too_long_for_the_model_are_named_by_file_and_line(repo, tmp_path):
+    """Some prompts (not all) leave no room for a response: the run goes on, and the warning names
+    the first of them by file:line instead of only counting them."""
+    src = (repo / "recipes" / "data" / "arith.jsonl").read_bytes().splitlines()[:20]
+    row = json.loads(src[0])
+    row["prompt"][0]["content"] = "1+2+3+4+5+6+7+8="  # 16 tokens against the 4 of every other row
+    p = write(tmp_path / "d.jsonl", src[:2] + [json.dumps(row).encode()] + src[2:])
+    work = tmp_path / "w"
+    out = CliRunner().invoke(cli, [
+        "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
+        f"tasks.0.sampler.path={p}", "model.from_scratch.max_position_embeddings=12", "trainer.total_train_steps=1",
+        "trainer.train_batch_size=2", "trainer.enable_evaluate=false", "trainer.enable_initial_evaluate=false",
+        "trainer.checkpoint_interval=-1", "~eval"])
+    assert out.exit_code == 0, out.output
+    log = (work / "run.log").read_text()
+    assert "1 of 21 prompts have 12 tokens or more" in log and f"the first: {p}:3 (16 tokens)" in log

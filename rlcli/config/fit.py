@@ -195,15 +195,19 @@ def rank_batch_sizes(total: int, ranks: int) -> set[int]:
 
 
 def check_prompt_lengths(task: str, lengths: list[int], max_tokens: int, context: int | None, src: str,
-                         pack: int | None) -> tuple[list[str], list[str]]:
+                         pack: int | None, places: list[str] | None = None) -> tuple[list[str], list[str]]:
     """``(errors, warnings)`` for the prompts of ``task``, ``lengths`` tokens each: prompts that leave
-    no room for a response in the model's ``context`` (all of them: an error) and, for a training
-    task (``pack`` given), the longest sequence it can produce against ``pack_max_length``."""
+    no room for a response in the model's ``context`` (all of them: an error; the first few named
+    by their ``places``, ``file:line`` of each prompt, when given) and, for a training task
+    (``pack`` given), the longest sequence it can produce against ``pack_max_length``."""
     errors, warnings = [], []
     fits = [n for n in lengths if context is None or n < context]
     if context is not None and len(fits) < len(lengths):
         msg = (f"task {task!r}: {len(lengths) - len(fits)} of {len(lengths)} prompts have {context} tokens or more, "
                f"leaving no room for a response in the model's max_position_embeddings={context} ({src})")
+        if places is not None and len(places) == len(lengths):
+            over = [f"{where} ({n} tokens)" for where, n in zip(places, lengths) if n >= context]
+            msg += f"; the first: {', '.join(over[:3])}"
         if not fits:
             errors.append(f"{msg}: raise max_position_embeddings, or shorten the prompts")
         else:

@@ -26,7 +26,6 @@ checkpoints.
 from __future__ import annotations
 
 import contextvars
-import json
 import logging
 import random
 from pathlib import Path
@@ -186,6 +185,10 @@ class RowSampler(Sampler):
 
     def prompt_lengths(self) -> list[int]:
         return [len(p.prompt_ids) for p in self.prompts]
+
+    def prompt_places(self) -> list[str]:
+        """``file:line`` (``file:row`` for a table) of each prompt, in the order of :meth:`prompt_lengths`."""
+        return [f"{self.path}:{p.row}" for p in self.prompts]
 
     def skipped_rows(self) -> list[SkippedRow]:
         """Every row left out, in file order: bad rows and prompts over max_prompt_length."""

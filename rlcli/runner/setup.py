@@ -137,7 +137,8 @@ class Environment:
             return []
         context, src = model_context(self.model_cfg)
         pack = self.worker_cfg.pack_max_length if trains else None
-        errors, warnings = check_prompt_lengths(tc.task_name, lengths, max_tokens, context, src, pack)
+        places = sampler.prompt_places() if hasattr(sampler, "prompt_places") else None  # third-party samplers may not
+        errors, warnings = check_prompt_lengths(tc.task_name, lengths, max_tokens, context, src, pack, places)
         for w in warnings:
             log.warning("%s", w)
         return errors
