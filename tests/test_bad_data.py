@@ -144,18 +144,23 @@ def test_train_on_an_empty_file_exits_2_before_anything(repo, tmp_path, monkeypa
     assert not work.exists()  # nothing written: no metrics.jsonl to block the next run
 
 
+def train_one_step(repo, work, data, *overrides):
+    """One quickstart step on ``data``, without evaluation or checkpoints; the work dir."""
+    out = CliRunner().invoke(cli, [
+        "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
+        f"tasks.0.sampler.path={data}", "trainer.total_train_steps=1", "trainer.train_batch_size=2",
+        "trainer.enable_evaluate=false", "trainer.enable_initial_evaluate=false", "trainer.checkpoint_interval=-1",
+        "~eval", *overrides])
+    assert out.exit_code == 0, out.output
+    return work
+
+
 def test_train_lists_skipped_rows_in_the_work_dir(repo, tmp_path):
     """One short run on a file with bad rows: it trains on the good ones, counts the bad ones and
     lists every one of them (file:line, kind, reason) in skipped_rows.jsonl."""
     src = (repo / "recipes" / "data" / "arith.jsonl").read_bytes().splitlines()[:20]
     p = write(tmp_path / "d.jsonl", src[:3] + list(BAD.values()) + src[3:])
-    work = tmp_path / "w"
-    out = CliRunner().invoke(cli, [
-        "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
-        f"tasks.0.sampler.path={p}", "tasks.0.sampler.prompt_repeat_k=2", "trainer.total_train_steps=1",
-        "trainer.train_batch_size=2", "trainer.enable_evaluate=false", "trainer.enable_initial_evaluate=false",
-        "trainer.checkpoint_interval=-1", "~eval"])
-    assert out.exit_code == 0, out.output
+    work = train_one_step(repo, tmp_path / "w", p, "tasks.0.sampler.prompt_repeat_k=2")
     listed = [json.loads(x) for x in (work / "skipped_rows.jsonl").read_text().splitlines()]
     assert [(r["task"], r["file"], r["line"], r["kind"]) for r in listed] == [
         ("arith", str(p), 4 + i, kind) for i, kind in enumerate(BAD)]
@@ -205,12 +210,6 @@ def test_prompts_too_long_for_the_model_are_named_by_file_and_line(repo, tmp_pat
     row = json.loads(src[0])
     row["prompt"][0]["content"] = "1+2+3+4+5+6+7+8="  # 16 tokens against the 4 of every other row
     p = write(tmp_path / "d.jsonl", src[:2] + [json.dumps(row).encode()] + src[2:])
-    work = tmp_path / "w"
-    out = CliRunner().invoke(cli, [
-        "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
-        f"tasks.0.sampler.path={p}", "model.from_scratch.max_position_embeddings=12", "trainer.total_train_steps=1",
-        "trainer.train_batch_size=2", "trainer.enable_evaluate=false", "trainer.enable_initial_evaluate=false",
-        "trainer.checkpoint_interval=-1", "~eval"])
-    assert out.exit_code == 0, out.output
+    work = train_one_step(repo, tmp_path / "w", p, "model.from_scratch.max_position_embeddings=12")
     log = (work / "run.log").read_text()
     assert "1 of 21 prompts have 12 tokens or more" in log and f"the first: {p}:3 (16 tokens)" in log
