@@ -4,6 +4,7 @@ checkpoint (which holds judged samples) saves; any other non-plain value and a n
 
 from __future__ import annotations
 
+import logging
 import asyncio
 from collections import OrderedDict
 
@@ -138,3 +139,22 @@ def test_only_a_true_exclude_from_loss_excludes():
     (s,), stats = judged("inline", "exclude_str")
     assert s.status == Status.FAILED and "'exclude_from_loss' = 'false' (str)" in s.error
     assert stats["judger/errors"] == 1
+
+
+def test_a_reward_too_large_to_keep_is_cut_with_a_warning(caplog):
+    """A reward travels with its sample into rollout dumps, the replay buffer and checkpoints: one of
+    megabytes has its large values replaced by a note of their size; the score and the rest stay."""
+    from rlcli.judgers import calls
+
+    calls._warned.discard("<cut>")
+    big = {"score": 0.5, "transcript": "x" * 3_000_000, "acc": 1.0, EXCLUDE_FROM_LOSS: False, "digits": 10 ** 5000}
+    with caplog.at_level(logging.WARNING, logger="rlcli.judgers.calls"):
+        reward, reason = normalize_reward(big)
+    assert reason is None and reward["score"] == 0.5 and reward["acc"] == 1.0 and reward[EXCLUDE_FROM_LOSS] is False
+    assert reward["transcript"] == "<cut by rlcli: 3000002 characters>" and reward["digits"].startswith("<cut by rlcli")
+    assert "a reward of" in caplog.text and "more than 65536" in caplog.text
+    many = {"score": 1.0, **{f"k{i}": "y" * 900 for i in range(200)}}  # no one value is large; together they are
+    reward, _ = normalize_reward(many)
+    assert set(reward) == {"score", "cut"} and "every other key" in reward["cut"]
+    small = {"score": 1.0, "why": "z" * 60_000}  # within the cap: kept whole
+    assert normalize_reward(small) == (small, None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import json
 import logging
 import math
 import numbers
@@ -22,6 +23,11 @@ from rlcli.types import EXCLUDE_FROM_LOSS, Sample
 _MAX_ERROR_CHARS = 2000
 MAX_ABS_SCORE = 1e6
 """The largest score a judger may return (either sign); beyond it the sample is FAILED."""
+MAX_REWARD_CHARS = 65536
+"""The most characters (as JSON) a reward may take: a reward is kept with its sample in rollout
+dumps, the replay buffer and async checkpoints, so beyond it the values over ``_CUT_VALUE_CHARS``
+are replaced by a note of their size (and, if that is not enough, every key but the score)."""
+_CUT_VALUE_CHARS = 1024
 _SCALARS = (str, int, float, bool, type(None))
 _PLAIN_TYPES = "dict, list, tuple, str, int, float, bool, None"
 
@@ -132,7 +138,36 @@ def normalize_reward(result: Any) -> tuple[dict[str, Any] | None, str | None]:
         return None, (f"judger returned the score {score:g}, beyond +-{MAX_ABS_SCORE:g}: a reward that large is a "
                       "bug, and would swamp its group's advantages and the run's reward metrics")
     reward["score"] = score
-    return reward, None
+    return _capped(reward), None
+
+
+def _json_len(value: Any) -> int:
+    """Characters of ``value`` as JSON; past the cap for what JSON refuses (an int of 4,300+ digits)."""
+    try:
+        return len(json.dumps(value))
+    except (ValueError, OverflowError, RecursionError):
+        return MAX_REWARD_CHARS + 1
+
+
+def _capped(reward: dict[str, Any]) -> dict[str, Any]:
+    """``reward`` within ``MAX_REWARD_CHARS``: its large values cut, with a warning once per process."""
+    size = _json_len(reward)
+    if size <= MAX_REWARD_CHARS:
+        return reward
+    kept = {EXCLUDE_FROM_LOSS, "score"}
+    out = {}
+    for key, value in reward.items():
+        n = _json_len(value)
+        out[key] = value if key in kept or n <= _CUT_VALUE_CHARS else f"<cut by rlcli: {n} characters>"
+    if _json_len(out) > MAX_REWARD_CHARS:
+        out = {k: v for k, v in reward.items() if k in kept}
+        out["cut"] = f"<cut by rlcli: every other key, {size} characters>"
+    if "<cut>" not in _warned:
+        _warned.add("<cut>")
+        log.warning("a judger returned a reward of %d characters as JSON, more than %d: its values over %d "
+                    "characters were replaced by a note of their size (a reward is kept in rollout dumps, the "
+                    "replay buffer and checkpoints; shown once)", size, MAX_REWARD_CHARS, _CUT_VALUE_CHARS)
+    return out
 
 
 def warn_bad_result(judger: str, reason: str) -> None:
