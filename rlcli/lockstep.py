@@ -12,11 +12,11 @@ calls); work of a third-party component that runs elsewhere and is not tracked i
 ``settled`` reads the loop's queue of ready callbacks (``_ready`` of asyncio's own loops; other
 loop implementations are given a fixed number of turns instead).
 
-An engine in lockstep hands out what finished only at steps numbered a multiple of
-:data:`ENGINE_STEPS` (or when its work runs out), so the loop handles finishes, and the engine
-waits for it, once per that many steps rather than after every step that finished a row (with
-responses of many lengths, nearly every step); a request made in reaction joins at most that many
-steps later.
+An engine in lockstep hands out what finished only every :data:`ENGINE_STEPS` steps, counted
+from when it last ran out of work (so a resumed run has the same boundaries), or when its work
+runs out; the loop handles finishes, and the engine waits for it, once per that many steps
+rather than after every step that finished a row (with responses of many lengths, nearly every
+step), and a request made in reaction joins at most that many steps later.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import weakref
 
 __all__ = ["ENGINE_STEPS", "settled", "track"]
 
-ENGINE_STEPS = 8  # a lockstep engine hands out finishes at steps numbered a multiple of this
+ENGINE_STEPS = 8  # a lockstep engine hands out finishes every this many steps since it last ran out of work
 
 _TURNS_WITHOUT_READY_QUEUE = 64  # loops that do not expose their ready queue get this many turns
 

@@ -115,7 +115,8 @@ class EmbeddedBackend(InferenceBackend):
             description="Hand out finished responses every 8 engine steps and take the next steps only once the "
             "rollout's event loop has handled them (text decoding, judging, the produce strategy's decisions): "
             "production then repeats exactly, so a resumed run ends identical to one never interrupted, at the cost "
-            "of the GPU waiting while the loop works on what was handed out. Default (null): on in a colocated run (the built-in produce strategies "
+            "of the GPU waiting while the loop works on what was handed out. Default (null): on in a colocated run "
+            "(the built-in produce strategies "
             "ask for it: a multi-turn loop's continuation turns, dynamic sampling's replacement groups and async's "
             "over-sampling and weight-sync pause reach the engine at timing-dependent moments otherwise); false "
             "trades exact repetition for not waiting.",

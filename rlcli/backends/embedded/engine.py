@@ -95,8 +95,8 @@ class EmbeddedEngine(Admission, DecodeStep):
         self._in_flight: deque[FinishedRows] = deque()  # finished rows whose outputs are being copied
         #: Steps in lockstep with the caller's event loop (``rlcli.lockstep``; the backend sets it):
         #: the requests that arrived since the last step are admitted in an order of their own
-        #: (request id, then seed), not in the order the loop's tasks happened to submit them, and a
-        #: finished row's outputs come out exactly one step after it finished.
+        #: (request id, then seed), not in the order the loop's tasks happened to submit them, and
+        #: finished rows' outputs come out at lockstep boundaries only (``at_lockstep_boundary``).
         self.lockstep = False
         self._step_index = 0
         self._busy_steps = 0  # steps since the engine last ran out of work: lockstep's boundaries count these
