@@ -182,6 +182,28 @@ def test_unbounded_allocation_hits_the_memory_limit_and_fails_only_its_samples(p
         pool.close()
 
 
+def test_the_memory_limit_is_on_top_of_what_the_worker_starts_with():
+    """A worker forked from a forkserver that imported a big library (torch) starts with its
+    mappings; memory_limit_mb is what the judger may allocate beyond them, not a total it would
+    already be over (a run whose judgers imported torch failed every load at 300 MB)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        from rlcli.judgers.worker_process import _limit_memory
+        inherited = bytearray(400 << 20)  # more than the limit itself, as torch's mappings are
+        _limit_memory(100)
+        fits = bytearray(60 << 20)
+        try:
+            bytearray(160 << 20)
+        except MemoryError:
+            print("capped")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "capped", out.stderr[-2000:]
+
+
 def test_the_thread_executor_also_times_hung_calls_out_side_by_side():
     pool = JudgePool(Faulty(JudgerConfig(timeout_s=1, executor="thread")), workers=2)
     try:

@@ -32,8 +32,9 @@ class JudgerConfig(ComponentConfig):
         "thread (for judgers that cannot be pickled: no memory limit, a hung call cannot be killed) or inline (in "
         "the event loop, no timeout).")
     memory_limit_mb: int | None = Field(
-        2048, gt=0, description="Memory cap (MB) of each judge worker process with executor process (RLIMIT_DATA, "
-        "Linux); a call that exceeds it is FAILED and its worker replaced. null: no limit.")
+        2048, gt=0, description="Memory cap (MB) of each judge worker process with executor process: what the "
+        "judger may allocate beyond what the worker starts with (RLIMIT_DATA, Linux); a call that exceeds it is "
+        "FAILED and its worker replaced. null: no limit.")
 
 
 class Judger(Component):

@@ -102,19 +102,34 @@ def _answer(judger: Any, call_id: int, response: str, label: Any, sample: Any) -
 
 
 def _limit_memory(limit_mb: int | None) -> None:
-    """Cap this process's data memory (heap and private mappings, ``RLIMIT_DATA``: Linux 4.7+)."""
+    """Cap this process's data memory (heap and private mappings, ``RLIMIT_DATA``: Linux 4.7+) at
+    what it holds now plus ``limit_mb``: a worker forked from a forkserver that had imported a
+    large library (torch, for a judger module that imports it) starts with that library's mappings,
+    which are not the judger's to pay for; the judger gets ``limit_mb`` on top of them."""
     if not limit_mb:
         return
     try:
         import resource
 
-        limit = int(limit_mb) << 20
+        limit = _data_bytes() + (int(limit_mb) << 20)
         _, hard = resource.getrlimit(resource.RLIMIT_DATA)
         if hard != resource.RLIM_INFINITY:
             limit = min(limit, hard)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     except (ImportError, ValueError, OSError):  # no such limit on this platform: run without it
         pass
+
+
+def _data_bytes() -> int:
+    """This process's data memory as ``RLIMIT_DATA`` counts it (``VmData``); 0 where unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) << 10  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _start_orphan_watch(parent_pid: int) -> None:
