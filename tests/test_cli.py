@@ -210,3 +210,23 @@ def test_out_of_memory_names_the_keys_that_free_memory(runner, repo, tmp_path, m
     monkeypatch.setattr("rlcli.launch.launch", rank_oom)
     result = runner.invoke(cli, [*args, "--nproc-per-node", "2"])
     assert result.exit_code == 1 and "resources.expandable_segments" in result.output
+
+
+def test_a_launched_rank_ends_its_process_group_before_it_exits(monkeypatch):
+    """rank_entry destroys the process group once its run is done on every rank, so that the
+    group's threads do not meet the interpreter's teardown (gloo can abort there; NCCL warns)."""
+    import torch.distributed as dist
+
+    import rlcli.config
+    import rlcli.runner
+    from rlcli.dist import init_distributed
+
+    def fake_run(recipe, work_dir, **kw):
+        init_distributed("cpu")
+        assert dist.is_initialized()
+        return work_dir, {"step": 1}
+
+    monkeypatch.setattr(rlcli.config, "load_recipe", lambda path, overrides: object())
+    monkeypatch.setattr(rlcli.runner, "run", fake_run)
+    assert rlcli.runner.rank_entry("r.yaml", [], "/tmp/w", True, False) == ("/tmp/w", {"step": 1})
+    assert not dist.is_initialized()

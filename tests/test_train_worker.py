@@ -754,6 +754,9 @@ _TWO_RANK_SCRIPT = textwrap.dedent("""
         torch.save({{"metrics": metrics, "state": sd, "corrected": corrected, "shared": shared, "normed": normed,
                     "lora": lora, "b16": (b16_steps, b16_resume)}}, {out!r})
     torch.save({{"lps": lps, "multi": multi}}, {out!r} + f".{{rank()}}")
+    import gc
+    del w, corr, sh, lw, lw2, bw, bw2  # their FSDP states hold the group's work: let go of them while it lives
+    gc.collect()
     destroy()
 """)
 

@@ -40,11 +40,15 @@ def rank_entry(recipe_path: str, overrides: list[str], work_dir: str | None, qui
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from rlcli.config import load_recipe
-    from rlcli.dist import is_main
+    from rlcli.dist import destroy, is_main
 
     @record
     def _main():
         path, final = run(load_recipe(recipe_path, overrides), work_dir, quiet=quiet, overwrite=overwrite)
-        return (str(path), final) if is_main() else None
+        out = (str(path), final) if is_main() else None
+        # every rank got here: end the process group in order, not in the interpreter's teardown
+        # (gloo's threads can abort it: "terminate called without an active exception"; NCCL warns)
+        destroy()
+        return out
 
     return _main()
