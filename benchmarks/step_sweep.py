@@ -66,6 +66,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import grpo_step as gs  # noqa: E402  (shapes and presets)
+from machine_state import foreign_note, gpu_state, run_alone  # noqa: E402
 
 SHAPE_ORDER = ["0.5b", "1.5b", "3b", "7b"]
 TRL_GENERATE_SHAPES = {"0.5b", "1.5b"}  # transformers generate at 3b/7b takes minutes a step
@@ -275,13 +276,14 @@ def run_one(run: Run, args, time_left: float) -> dict:
     print(f"[{run.id}] {rec['command']}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)}
-    with log.open("w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                                timeout=None if args.tiny else max(1.0, time_left)).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+    rec["gpu_at_start"] = gpu_state()  # who else held the GPU: a row timed beside another process is no figure
+    if foreign_note(rec["gpu_at_start"]):
+        print(f"[{run.id}] WARNING: {foreign_note(rec['gpu_at_start'])}", flush=True)
+    with log.open("w") as f:  # in a session of its own: an engine's worker process cannot outlive the row
+        rc, left = run_alone(cmd, stdout=f, env=env, cwd=str(REPO), timeout=None if args.tiny else max(1.0, time_left))
     rec.update(wall_s=round(time.perf_counter() - t, 1), rc=rc, log_tail=log.read_text()[-3000:])
+    if left:
+        rec["leftover_processes_killed"] = left
     res = args.work / run.id / "results.json"
     if res.exists():
         data = json.loads(res.read_text())
@@ -363,6 +365,7 @@ def table(records: list[dict]) -> str:
         note = "vLLM " + ", ".join(f"{k}={v}" for k, v in (r.get("settings") or {}).items()) if "vllm" in r else ""
         if r.get("trainable_params"):
             note = rlcli_note(r)
+        note = "; ".join(x for x in (foreign_note(rec.get("gpu_at_start")), note) if x)
         lines.append(head + f"| {r['step_s_median']} ({r['step_s_min']}-{r['step_s_max']}) | {r.get('rollout_s')} | "
                      f"{r.get('train_s')} | {r.get('sync_s')} | {r.get('gen_tok_per_s')} | {r.get('train_mfu')} | "
                      f"{peak} | {lens} | {note.replace('|', '/')} |")

@@ -172,7 +172,6 @@ def test_a_killed_run_says_so(monkeypatch):
 
 def test_profile_train_passes_through_and_brings_the_tables_back(tmp_path, monkeypatch):
     import argparse
-    import subprocess
 
     run = {r.id: r for r in sw.plan_runs()}["0.5b-full-rlcli-sglang"]
     args = argparse.Namespace(steps=None, tiny=False, model_cache=tmp_path / "m", work=tmp_path / "w",
@@ -185,11 +184,47 @@ def test_profile_train_passes_through_and_brings_the_tables_back(tmp_path, monke
         out.mkdir(parents=True)
         (out / "results.json").write_text(json.dumps({"env": {}, "results": [{"what": "rlcli", "step_s_median": 3.0}]}))
         (out / "profiles.txt").write_text("===== train-sglang: wall 1.2s\n")
-        return subprocess.CompletedProcess(cmd, 0)
+        return 0, 0
 
-    monkeypatch.setattr(subprocess, "run", fake_grpo_step)
+    monkeypatch.setattr(sw, "run_alone", fake_grpo_step)
     rec = sw.run_one(run, args, time_left=1000)
     assert "error" not in rec and rec["profile"] == "profile-0.5b-full-rlcli-sglang.txt"
     assert (args.out / rec["profile"]).read_text().startswith("===== train-sglang")
     args.profile_train = False
     assert "--profile" not in sw.command(run, args)
+
+
+def test_a_row_runs_alone_and_leaves_nothing_behind(tmp_path):
+    """run_alone: a child the row left running is killed and counted; a row past its time is
+    stopped with its children (an engine's worker process outliving its parent slowed a later row)."""
+    import os
+    import subprocess
+
+    import machine_state as ms
+
+    pid_file = tmp_path / "child.pid"
+    spawn = f"import subprocess; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(p.pid))"
+    with (tmp_path / "log").open("w") as f:
+        rc, left = ms.run_alone([sys.executable, "-c", spawn], stdout=f, env=dict(os.environ), cwd=str(tmp_path),
+                                timeout=30)
+    child = int(pid_file.read_text())
+    assert (rc, left) == (0, 1)
+    assert not os.path.exists(f"/proc/{child}") or open(f"/proc/{child}/stat").read().split(")")[1].split()[0] == "Z"
+    with (tmp_path / "log").open("w") as f:
+        rc, left = ms.run_alone(["sh", "-c", "sleep 30 & sleep 30"], stdout=f, env=dict(os.environ),
+                                cwd=str(tmp_path), timeout=0.5)
+    assert rc == "timeout" and left == 0  # SIGTERM reached the whole group
+    assert subprocess.run(["pgrep", "-f", "sleep 30 & sleep 30"], capture_output=True).returncode == 1
+
+
+def test_a_row_started_beside_another_gpu_process_says_so():
+    import machine_state as ms
+
+    busy = {"gpus": [{"index": "0", "memory_used_mib": 70000.0, "util_pct": 100.0}],
+            "processes": [{"pid": "7", "name": "/usr/bin/python3", "memory_mib": 69000.0}]}
+    assert ms.foreign_note(busy) == "GPU NOT FREE at start: python3 (69000 MiB)"
+    assert ms.foreign_note({**busy, "processes": []}) == "" and ms.foreign_note(None) == ""
+    rec = {"id": "0.5b-full-rlcli", "shape": "0.5b", "lengths": "full", "row": "rlcli", "extra": [],
+           "gpu_at_start": busy, "results": [{"what": "rlcli", "step_s_median": 1.8, "step_s_min": 1.7,
+                                              "step_s_max": 1.9, "trainable_params": 5e8}]}
+    assert "GPU NOT FREE at start: python3 (69000 MiB); trains 500.0M parameters" in sw.table([rec])
