@@ -3,7 +3,7 @@
 Files and functions that were over the limit when this check came in are listed below with
 their size then: they may shrink, never grow, and a new file or function over the limit fails.
 When one of them gets under the limit, the test asks for its line here to go - the list only
-ever gets shorter. The benchmark scripts are checked too (since 2026-12-04); tests are not; Triton kernel bodies
+ever gets shorter. The benchmark scripts are checked too (since 2026-12-04), and the tests (since 2026-12-05); Triton kernel bodies
 (``@triton.jit``) are exempt from the function limit, also inside the function that defines them.
 """
 
@@ -26,7 +26,8 @@ OVER_FUNCTION: dict[str, int] = {
 
 
 def source_files() -> list[Path]:
-    roots = [REPO / "rlcli", *sorted((REPO / "plugins").glob("*/rlcli_*")), REPO / "benchmarks"]
+    roots = [REPO / "rlcli", *sorted((REPO / "plugins").glob("*/rlcli_*")), REPO / "benchmarks", REPO / "tests",
+             *sorted((REPO / "plugins").glob("*/tests"))]
     return sorted(p for root in roots for p in root.rglob("*.py"))
 
 
