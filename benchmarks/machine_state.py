@@ -4,7 +4,8 @@ A timed run is only comparable with another when the GPU was its own. Two things
 in past device calls without anything saying so: a process left over from an earlier command of
 the same call (an inference engine's worker process outlives a parent killed by ``timeout``), and
 a row's own children still running after the row ended. :func:`gpu_state` records who held the
-GPU when a run started (``nvidia-smi``; ``None`` where there is none), and :func:`run_alone` runs a
+GPU when a run started (``nvidia-smi``; ``None`` where there is none), :func:`host_cpu` which CPU
+the host has (leases differ, and a host-bound engine follows it), and :func:`run_alone` runs a
 command in a process group of its own and kills whatever of that group is left when it ends or
 times out.
 """
@@ -39,6 +40,18 @@ def gpu_state() -> dict | None:
     procs = _smi("--query-compute-apps=pid,process_name,used_memory") or []
     return {"gpus": [{"index": g[0], "memory_used_mib": _num(g[1]), "util_pct": _num(g[2])} for g in gpus if len(g) == 3],
             "processes": [{"pid": p[0], "name": p[1], "memory_mib": _num(p[2])} for p in procs if len(p) == 3]}
+
+
+def host_cpu() -> str:
+    """The host's CPU model and core count ('?' where unknown): an engine whose decode step waits on
+    its own Python scheduler (vLLM's) runs as fast as one core of it."""
+    model = "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores"
 
 
 def _num(text: str) -> float | None:

@@ -66,7 +66,7 @@ REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
 import grpo_step as gs  # noqa: E402  (shapes and presets)
-from machine_state import foreign_note, gpu_state, run_alone  # noqa: E402
+from machine_state import foreign_note, gpu_state, host_cpu, run_alone  # noqa: E402
 
 SHAPE_ORDER = ["0.5b", "1.5b", "3b", "7b"]
 TRL_GENERATE_SHAPES = {"0.5b", "1.5b"}  # transformers generate at 3b/7b takes minutes a step
@@ -276,6 +276,7 @@ def run_one(run: Run, args, time_left: float) -> dict:
     print(f"[{run.id}] {rec['command']}", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         x for x in (str(REPO), os.environ.get("PYTHONPATH", "")) if x)}
+    rec["host_cpu"] = host_cpu()
     rec["gpu_at_start"] = gpu_state()  # who else held the GPU: a row timed beside another process is no figure
     if foreign_note(rec["gpu_at_start"]):
         print(f"[{run.id}] WARNING: {foreign_note(rec['gpu_at_start'])}", flush=True)
@@ -338,7 +339,9 @@ def table(records: list[dict]) -> str:
         # a run without the package (an rlcli-only call has no TRL or vLLM) records None: not a version
         return ", ".join(sorted({str(e[key]) for e in envs if e.get(key) is not None})) or "-"
 
-    lines = [f"Dates: {seen('date')}; GPU: {seen('gpu')}; torch {seen('torch')}, transformers {seen('transformers')}, "
+    cpus = ", ".join(sorted({r["host_cpu"] for r in records if r.get("host_cpu")})) or "-"
+    lines = [f"Dates: {seen('date')}; GPU: {seen('gpu')}; host CPU: {cpus}; torch {seen('torch')}, "
+             f"transformers {seen('transformers')}, "
              f"trl {seen('trl')}, vllm {seen('vllm')}; rlcli {seen('rlcli_commit')}.", "",
              f"Every rlcli row: `{' '.join(HEADLINE)}`; the row's own settings are in the settings column "
              "(7b: its preset). Lengths: full = 256 new tokens, EOS ignored; longtail = EOS on, geometric "

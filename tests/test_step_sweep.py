@@ -227,4 +227,6 @@ def test_a_row_started_beside_another_gpu_process_says_so():
     rec = {"id": "0.5b-full-rlcli", "shape": "0.5b", "lengths": "full", "row": "rlcli", "extra": [],
            "gpu_at_start": busy, "results": [{"what": "rlcli", "step_s_median": 1.8, "step_s_min": 1.7,
                                               "step_s_max": 1.9, "trainable_params": 5e8}]}
-    assert "GPU NOT FREE at start: python3 (69000 MiB); trains 500.0M parameters" in sw.table([rec])
+    text = sw.table([{**rec, "host_cpu": "AMD EPYC 9654, 16 cores"}])
+    assert "GPU NOT FREE at start: python3 (69000 MiB); trains 500.0M parameters" in text
+    assert "host CPU: AMD EPYC 9654, 16 cores;" in text
