@@ -38,7 +38,8 @@ def gpu_state() -> dict | None:
     if gpus is None:
         return None
     procs = _smi("--query-compute-apps=pid,process_name,used_memory") or []
-    return {"gpus": [{"index": g[0], "memory_used_mib": _num(g[1]), "util_pct": _num(g[2])} for g in gpus if len(g) == 3],
+    return {"gpus": [{"index": g[0], "memory_used_mib": _num(g[1]), "util_pct": _num(g[2])}
+                     for g in gpus if len(g) == 3],
             "processes": [{"pid": p[0], "name": p[1], "memory_mib": _num(p[2])} for p in procs if len(p) == 3]}
 
 
