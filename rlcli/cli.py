@@ -286,7 +286,7 @@ def recipes() -> None:
 
 @cli.group()
 def data() -> None:
-    """Dataset conversion helpers."""
+    """Datasets: convert, check, and write the toy tasks."""
 
 
 @data.command("gsm8k")
@@ -333,6 +333,40 @@ def data_convert(in_path: str, out_path: str) -> None:
     click.echo(f"wrote {written} rows to {out_path}" + (f"; skipped {len(skipped)} bad rows" if skipped else ""))
     for row in skipped:  # every one, located
         click.secho(f"  {row}", fg="yellow", err=True)
+
+
+@data.command("check")
+@click.argument("path", type=click.Path(exists=True))
+@click.option("--no-label", "no_label", is_flag=True,
+              help="Rows without reward_model.ground_truth are usable (a sampler's require_label: false).")
+@click.option("--split", default="train", show_default=True, help="The split of a Hugging Face dataset.")
+@click.option("--show", type=click.IntRange(min=0), default=20, show_default=True,
+              help="How many bad rows to list (all are counted).")
+def data_check(path: str, no_label: bool, split: str, show: int) -> None:
+    """Read every row of a dataset (.jsonl, .parquet or a Hugging Face dataset) as a training run
+    would: count the usable rows, list the bad ones by file:line with the reason (exit 1 if any)."""
+    from tqdm.auto import tqdm
+
+    from rlcli.data.base import DataError
+    from rlcli.data.check import check_dataset
+
+    try:
+        with tqdm(desc="rows", unit="row", delay=2.0, file=sys.stderr) as bar:
+            found = check_dataset(path, require_label=not no_label, split=split, progress=bar.update)
+    except DataError as exc:
+        _fail(str(exc), EXIT_RECIPE_ERROR)
+    except OSError as exc:
+        _fail(f"cannot read {path}: {exc.strerror or exc}", EXIT_RECIPE_ERROR)
+    click.echo(found.summary())
+    for row in found.skipped[:show]:
+        click.secho(f"  {row}", fg="yellow", err=True)
+    if len(found.skipped) > show:
+        click.secho(f"  ... and {len(found.skipped) - show} more (--show N lists more)", fg="yellow", err=True)
+    if found.skipped and not found.usable and all(r.kind == "shape" for r in found.skipped):
+        click.echo("no row is an RL row ({data_source, prompt, reward_model, extra_info}; docs/recipes.md): raw "
+                   "GSM8K converts with `rlcli data gsm8k IN OUT`")
+    if found.skipped or not found.usable:
+        sys.exit(1)
 
 
 @data.command("arith")

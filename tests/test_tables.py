@@ -124,6 +124,31 @@ def test_convert_round_trips_and_lists_the_rows_it_leaves_out(arith, tmp_path):
     assert out.exit_code == 2 and "from .jsonl to .parquet" in out.output
 
 
+def test_data_check_reads_every_row_in_every_format_and_lists_the_bad_ones(arith, tmp_path):
+    import pyarrow.parquet as pq
+
+    for key in ("jsonl", "parquet", "saved"):
+        out = CliRunner().invoke(cli, ["data", "check", str(arith[key])])
+        assert out.exit_code == 0 and f"{arith[key]}: 100 rows, 100 usable [read as the" in out.output, out.output
+    out = CliRunner().invoke(cli, ["data", "check", str(arith["dict"]), "--split", "test"])
+    assert out.exit_code == 0 and ": 10 rows, 10 usable [read as the hf_dataset sampler" in out.output, out.output
+    pq.write_table(pa.Table.from_pylist(bad_rows()), tmp_path / "bad.parquet")
+    out = CliRunner().invoke(cli, ["data", "check", str(tmp_path / "bad.parquet"), "--show", "2"])
+    assert out.exit_code == 1, out.output
+    assert "6 rows, 3 usable, 3 would be skipped (1 shape, 1 empty_prompt, 1 no_label)" in out.output
+    assert f"{tmp_path / 'bad.parquet'}:2: " in out.output and f"{tmp_path / 'bad.parquet'}:3: " in out.output
+    assert f"{tmp_path / 'bad.parquet'}:4: " not in out.output and "and 1 more (--show N" in out.output
+    out = CliRunner().invoke(cli, ["data", "check", str(tmp_path / "bad.parquet"), "--no-label"])
+    assert out.exit_code == 1 and "4 usable, 2 would be skipped" in out.output, out.output
+    (tmp_path / "qa.jsonl").write_text('{"question": "1+2=", "answer": "3"}\n')
+    out = CliRunner().invoke(cli, ["data", "check", str(tmp_path / "qa.jsonl")])
+    assert out.exit_code == 1 and "1 row, 0 usable, 1 would be skipped (1 shape)" in out.output, out.output
+    assert "no row is an RL row" in out.output and "rlcli data gsm8k" in out.output
+    (tmp_path / "empty.jsonl").write_text("\n")
+    out = CliRunner().invoke(cli, ["data", "check", str(tmp_path / "empty.jsonl")])
+    assert out.exit_code == 1 and "no rows (the dataset is empty or blank)" in out.output, out.output
+
+
 def run_rows(repo, work, *args):
     out = CliRunner().invoke(cli, [
         "train", str(repo / "recipes" / "quickstart.yaml"), "--work-dir", str(work), "--quiet",
