@@ -376,6 +376,39 @@ def test_the_cli_refuses_a_checkpoint_that_runs_code(tmp_path, command):
     assert "Traceback" not in r.stderr and not marker.exists()
 
 
+def test_rlcli_eval_names_what_its_checkpoint_is_instead_before_any_model_loads(tmp_path, monkeypatch):
+    """--checkpoint on a work dir, its checkpoints/ or an empty dir: exit 2 with what eval loads and,
+    where there is one, the newest export or checkpoint to name instead; nothing is built first."""
+    from click.testing import CliRunner
+
+    import rlcli.runner.eval_command as ec
+    from rlcli.cli import cli
+
+    def no_build(*a, **kw):
+        raise AssertionError("the run's environment was built before --checkpoint was checked")
+
+    monkeypatch.setattr(ec, "Environment", no_build)
+    shutil.copy(FIXTURE / "recipe.yaml", tmp_path / "recipe.yaml")
+    shutil.copy(FIXTURE.parent / "arith.jsonl", tmp_path / "arith.jsonl")
+    work = tmp_path / "work"
+    shutil.copytree(FIXTURE / "checkpoints" / "step-4", work / "checkpoints" / "step-4")
+    (work / "checkpoints" / "step-6").mkdir()  # not complete: never the one suggested
+    (work / "checkpoints" / "step-6" / "model.pt").write_bytes(b"")
+    (tmp_path / "empty").mkdir()
+    head = "not an HF export (no config.json), a LoRA adapter export"
+    for given, tail in ((work, f"e.g. --checkpoint {work / 'checkpoints' / 'step-4'}"),
+                        (work / "checkpoints", f"e.g. --checkpoint {work / 'checkpoints' / 'step-4'}"),
+                        (work / "checkpoints" / "step-6", "was not finished writing"),
+                        (tmp_path / "empty", "(no COMPLETE marker)")):
+        r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--checkpoint", str(given)])
+        assert r.exit_code == 2, r.output
+        assert f"--checkpoint {given}: {head}" in r.output and tail in r.output, r.output
+    (work / "hf" / "step-5").mkdir(parents=True)
+    (work / "hf" / "step-5" / "config.json").write_text("{}")
+    r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--checkpoint", str(work)])
+    assert r.exit_code == 2 and f"e.g. --checkpoint {work / 'hf' / 'step-5'}" in r.output, r.output
+
+
 def test_rlcli_eval_on_a_full_disk_says_so(tmp_path, monkeypatch):
     """A real ENOSPC (``/dev/full``) while ``rlcli eval`` writes its metrics: exit 2, the path, no traceback."""
     from click.testing import CliRunner

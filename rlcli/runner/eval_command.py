@@ -12,13 +12,45 @@ from rlcli.runner.records import sample_row, write_skipped_rows
 from rlcli.runner.setup import Environment, default_work_dir, setup_logging
 from rlcli.runner.workdir import check_dir_path, claim_work_dir
 from rlcli.stall import StallWatchdog
+from rlcli.train.checkpoint import COMPLETE, is_complete, latest_checkpoint
+from rlcli.train.checkpoint_files import CheckpointError
 from rlcli.train.lora import is_adapter_export
+
+
+def check_checkpoint(ckpt: Path) -> None:
+    """``--checkpoint`` names what eval can load (an HF export, a LoRA adapter export, a complete
+    training checkpoint), else :class:`CheckpointError` saying what it is instead: before any model
+    loads."""
+    if (ckpt / "config.json").exists() or is_adapter_export(ckpt) or is_complete(ckpt):
+        return
+    newest = _newest_inside(ckpt)
+    if newest is not None:
+        hint = f"; it holds exports or checkpoints: name one, e.g. --checkpoint {newest}"
+    elif ckpt.name.startswith("step-") and any(ckpt.iterdir()):
+        hint = "; a training checkpoint without its marker was not finished writing (a run killed while saving)"
+    else:
+        hint = ""
+    raise CheckpointError(f"--checkpoint {ckpt}: not an HF export (no config.json), a LoRA adapter export (no "
+                          f"adapter_config.json with its weights) nor a complete training checkpoint (no {COMPLETE} "
+                          f"marker){hint}")
+
+
+def _newest_inside(path: Path) -> Path | None:
+    """The newest HF export or complete checkpoint in a work dir, its ``hf/`` or its ``checkpoints/``."""
+    for hf in (path / "hf", path):
+        exports = [p for p in hf.glob("step-*") if p.name[5:].isdigit() and
+                   ((p / "config.json").exists() or is_adapter_export(p))]
+        if exports:
+            return max(exports, key=lambda p: int(p.name[5:]))
+    return latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
 
 
 def run_eval(recipe: Recipe, checkpoint: str | None, out_dir: str | None) -> tuple[dict[str, float], Path]:
     import asyncio
 
     ckpt = Path(checkpoint) if checkpoint else None
+    if ckpt is not None:
+        check_checkpoint(ckpt)
     is_hf = ckpt is not None and (ckpt / "config.json").exists()
     if is_hf:  # an HF export: it carries its own tokenizer
         recipe = recipe.model_copy()
