@@ -144,6 +144,13 @@ def test_data_check_reads_every_row_in_every_format_and_lists_the_bad_ones(arith
     out = CliRunner().invoke(cli, ["data", "check", str(tmp_path / "qa.jsonl")])
     assert out.exit_code == 1 and "1 row, 0 usable, 1 would be skipped (1 shape)" in out.output, out.output
     assert "no row is an RL row" in out.output and "rlcli data gsm8k" in out.output
+    mixed = tmp_path / "mixed"  # a folder of data files datasets cannot read as one table
+    mixed.mkdir()
+    (mixed / "a.jsonl").write_text('{"x": 1}\n')
+    (mixed / "b.jsonl").write_text('{"y": "s", "z": [1]}\n')
+    out = CliRunner().invoke(cli, ["data", "check", str(mixed)])
+    assert out.exit_code == 2 and f"cannot load the dataset {mixed} (split 'train'): " in out.output, out.output
+    assert "Traceback" not in out.output
     (tmp_path / "empty.jsonl").write_text("\n")
     out = CliRunner().invoke(cli, ["data", "check", str(tmp_path / "empty.jsonl")])
     assert out.exit_code == 1 and "no rows (the dataset is empty or blank)" in out.output, out.output

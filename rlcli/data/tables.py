@@ -96,10 +96,14 @@ def load_hf_dataset(path: str | Path, split: str) -> Any:
         else:
             raise DataError(f"{p}: not a saved dataset directory nor a data file datasets reads by its "
                             f"suffix ({', '.join(sorted(_BUILDERS))})")
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, getattr(datasets.exceptions, "DatasetsError", OSError)) as exc:
         if isinstance(exc, DataError):
             raise
-        raise DataError(f"cannot load the dataset {p} (split {split!r}): {type(exc).__name__}: {exc}") from None
+        cause = ""
+        if exc.__cause__ is not None:  # datasets wraps the reason (a cast error's first line names the files)
+            first = (str(exc.__cause__).splitlines() or [""])[0][:300]
+            cause = f" ({type(exc.__cause__).__name__}: {first})"
+        raise DataError(f"cannot load the dataset {p} (split {split!r}): {type(exc).__name__}: {exc}{cause}") from None
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
             raise DataError(f"{p} has no split {split!r} (splits: {', '.join(ds)}); set the sampler's split")
