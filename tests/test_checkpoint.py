@@ -395,16 +395,20 @@ def test_rlcli_eval_names_what_its_checkpoint_is_instead_before_any_model_loads(
     (work / "checkpoints" / "step-6").mkdir()  # not complete: never the one suggested
     (work / "checkpoints" / "step-6" / "model.pt").write_bytes(b"")
     (tmp_path / "empty").mkdir()
-    head = "not an HF export (no config.json), a LoRA adapter export"
+    head = "not a complete HF export (config.json and its safetensors weights), LoRA adapter export"
     for given, tail in ((work, f"e.g. --checkpoint {work / 'checkpoints' / 'step-4'}"),
                         (work / "checkpoints", f"e.g. --checkpoint {work / 'checkpoints' / 'step-4'}"),
                         (work / "checkpoints" / "step-6", "was not finished writing"),
-                        (tmp_path / "empty", "(no COMPLETE marker)")):
+                        (tmp_path / "empty", "training checkpoint (a COMPLETE marker)")):
         r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--checkpoint", str(given)])
         assert r.exit_code == 2, r.output
         assert f"--checkpoint {given}: {head}" in r.output and tail in r.output, r.output
     (work / "hf" / "step-5").mkdir(parents=True)
-    (work / "hf" / "step-5" / "config.json").write_text("{}")
+    (work / "hf" / "step-5" / "config.json").write_text('{"model_type": "llama"}')
+    r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--checkpoint", str(work / "hf" / "step-5")])
+    assert r.exit_code == 2 and f"--checkpoint {work / 'hf' / 'step-5'}: {head}" in r.output, r.output  # no weights
+    assert "was not finished writing" in r.output
+    (work / "hf" / "step-5" / "model.safetensors").write_bytes(b"")
     r = CliRunner().invoke(cli, ["eval", str(tmp_path / "recipe.yaml"), "--checkpoint", str(work)])
     assert r.exit_code == 2 and f"e.g. --checkpoint {work / 'hf' / 'step-5'}" in r.output, r.output
 

@@ -15,31 +15,31 @@ from rlcli.stall import StallWatchdog
 from rlcli.train.checkpoint import COMPLETE, is_complete, latest_checkpoint
 from rlcli.train.checkpoint_files import CheckpointError
 from rlcli.train.lora import is_adapter_export
+from rlcli.train.weights import is_complete_export
 
 
 def check_checkpoint(ckpt: Path) -> None:
     """``--checkpoint`` names what eval can load (an HF export, a LoRA adapter export, a complete
     training checkpoint), else :class:`CheckpointError` saying what it is instead: before any model
     loads."""
-    if (ckpt / "config.json").exists() or is_adapter_export(ckpt) or is_complete(ckpt):
+    if is_complete_export(ckpt) or is_complete(ckpt):
         return
     newest = _newest_inside(ckpt)
     if newest is not None:
         hint = f"; it holds exports or checkpoints: name one, e.g. --checkpoint {newest}"
     elif ckpt.name.startswith("step-") and any(ckpt.iterdir()):
-        hint = "; a training checkpoint without its marker was not finished writing (a run killed while saving)"
+        hint = "; an export or checkpoint missing these was not finished writing (a run killed while saving)"
     else:
         hint = ""
-    raise CheckpointError(f"--checkpoint {ckpt}: not an HF export (no config.json), a LoRA adapter export (no "
-                          f"adapter_config.json with its weights) nor a complete training checkpoint (no {COMPLETE} "
-                          f"marker){hint}")
+    raise CheckpointError(f"--checkpoint {ckpt}: not a complete HF export (config.json and its safetensors "
+                          f"weights), LoRA adapter export (adapter_config.json and its weights) nor training "
+                          f"checkpoint (a {COMPLETE} marker){hint}")
 
 
 def _newest_inside(path: Path) -> Path | None:
     """The newest HF export or complete checkpoint in a work dir, its ``hf/`` or its ``checkpoints/``."""
     for hf in (path / "hf", path):
-        exports = [p for p in hf.glob("step-*") if p.name[5:].isdigit() and
-                   ((p / "config.json").exists() or is_adapter_export(p))]
+        exports = [p for p in hf.glob("step-*") if p.name[5:].isdigit() and is_complete_export(p)]
         if exports:
             return max(exports, key=lambda p: int(p.name[5:]))
     return latest_checkpoint(path / "checkpoints") or latest_checkpoint(path)
