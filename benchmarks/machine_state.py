@@ -45,7 +45,7 @@ def gpu_state() -> dict | None:
 
 def host_cpu() -> str:
     """The host's CPU model and core count ('?' where unknown): an engine whose decode step waits on
-    its own Python scheduler (vLLM's) runs as fast as one core of it."""
+    its own Python scheduler (vLLM's) should follow one core's speed."""
     model = "?"
     try:
         with open("/proc/cpuinfo") as f:
@@ -96,12 +96,11 @@ def run_alone(cmd: list[str], *, stdout, env: dict, cwd: str, timeout: float | N
     return rc, left
 
 
-def _signal_group(pgid: int, sig: int) -> bool:
+def _signal_group(pgid: int, sig: int) -> None:
     try:
         os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
+    except (ProcessLookupError, PermissionError):  # the group is already gone
+        pass
 
 
 def _survivors(pgid: int) -> int:

@@ -52,15 +52,13 @@ def sampler_for(path: Path) -> type[RowSampler]:
 
 
 def check_dataset(path: str | Path, *, require_label: bool = True, split: str = "train",
-                  max_row_bytes: int | None = None, progress: Callable[[int], None] | None = None) -> DatasetCheck:
-    """Every row of ``path``, counted usable or skipped (with its ``file:line`` and reason).
-    ``max_row_bytes`` None: the samplers' default. Raises ``OSError`` or
-    :class:`~rlcli.data.base.DataError` when the dataset itself cannot be read."""
+                  progress: Callable[[int], None] | None = None) -> DatasetCheck:
+    """Every row of ``path``, counted usable or skipped (with its ``file:line`` and reason), with the
+    samplers' default row-size limit. Raises ``OSError`` or :class:`~rlcli.data.base.DataError` when
+    the dataset itself cannot be read."""
     path = Path(path)
     cls = sampler_for(path)
-    options = {"path": str(path), "require_label": require_label}
-    if max_row_bytes is not None:
-        options["max_row_bytes"] = max_row_bytes
+    options: dict = {"path": str(path), "require_label": require_label}
     if cls is HfDatasetSampler:
         options["split"] = split
     result = DatasetCheck(str(path), cls.name)
